@@ -1,0 +1,1 @@
+"""Tools that prove routing helps: fleet simulator, workloads, replay, Locust, bench."""

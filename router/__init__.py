@@ -1,0 +1,1 @@
+"""kvrouter's HTTP gateway: OpenAI surface, tokenization, policies, proxying."""

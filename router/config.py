@@ -1,0 +1,166 @@
+"""The fleet config file (YAML): models, their backends, the router and the index.
+
+Every model is ``extra="forbid"`` so a typo in YAML is an error that names the key,
+at start-up rather than as a silently ignored setting. The shape is the contract in
+DESIGN.md; fields beyond it are optional extensions with safe defaults.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+HashAlgo = Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]
+PolicyName = Literal[
+    "round_robin", "random", "least_loaded", "power_of_two", "session", "prefix_approx", "kv_aware"
+]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class LoraAdapter(_Strict):
+    """An adapter as given to the engines' ``--lora-modules name=path`` (id = lora_int_id)."""
+
+    name: str
+    path: str
+    id: int = Field(ge=1)
+
+
+class Backend(_Strict):
+    """One vLLM engine (or one DP group of engines behind one HTTP port)."""
+
+    name: str
+    url: str
+    kv_events: str | None = None
+    kv_replay: str | None = None
+    data_parallel_size: int = Field(default=1, ge=1)
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, v: str) -> str:
+        if not v.startswith(("http://", "https://")):
+            raise ValueError(f"backend url must start with http:// or https://, got {v!r}")
+        return v.rstrip("/")
+
+    @field_validator("kv_events", "kv_replay")
+    @classmethod
+    def _zmq_endpoint(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ValueError(
+                f"ZMQ endpoint must look like tcp://HOST:PORT (host and port, not just an ip), got {v!r}"
+            )
+        return v
+
+
+class Model(_Strict):
+    name: str
+    tokenizer: str
+    block_size: int = Field(default=16, ge=1)
+    hash_algo: HashAlgo = "sha256"
+    hash_seed: str | None = None
+    vllm_version: str = "0.33.0"
+    max_model_len: int | None = Field(default=None, ge=1)
+    lora_adapters: list[LoraAdapter] = []
+    backends: list[Backend] = Field(min_length=1)
+    policy: PolicyName | None = None
+    tokenizer_mode: Literal["local", "remote", "auto"] = "local"
+    parity_sample_rate: float = Field(default=0.01, ge=0.0, le=1.0)
+
+    @field_validator("hash_seed", mode="before")
+    @classmethod
+    def _seed_is_string(cls, v: object) -> object:
+        # PYTHONHASHSEED is an environment string; YAML may hand us an int.
+        return str(v) if isinstance(v, int) else v
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> "Model":
+        names = [b.name for b in self.backends]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"duplicate backend names in model {self.name!r}: {dupes}")
+        return self
+
+
+class KvAwareWeights(_Strict):
+    """Weights of the kv_aware cost (see router/policies/kv_aware.py for the formula)."""
+
+    prefill: float = 1.0
+    decode: float = 1.0
+    cpu_tier: float = 0.5
+    storage_tier: float = 0.25
+    temperature: float = 0.0
+    imbalance_ratio: float = 1.25
+    speculative_ttl_s: float = 2.0
+
+
+class RouterSettings(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(default=8080, ge=0, le=65535)
+    policy: PolicyName = "kv_aware"
+    weights: KvAwareWeights = KvAwareWeights()
+    api_key: str | None = None
+    max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
+    request_timeout_s: float = Field(default=600.0, gt=0)
+    connect_timeout_s: float = Field(default=5.0, gt=0)
+    retries: int = Field(default=2, ge=0)
+    health_interval_s: float = Field(default=2.0, gt=0)
+    metrics_scrape_interval_s: float = Field(default=1.0, gt=0)
+    session_header: str = "x-session-id"
+
+
+class Config(_Strict):
+    models: list[Model] = Field(min_length=1)
+    router: RouterSettings = RouterSettings()
+    index: str = "memory"
+
+    @field_validator("index")
+    @classmethod
+    def _index_kind(cls, v: str) -> str:
+        if v != "memory" and not v.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"index must be 'memory' or a Redis URL (redis://host:6379/0), got {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _unique_model_names(self) -> "Config":
+        names = [m.name for m in self.models] + [a.name for m in self.models for a in m.lora_adapters]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"model and adapter names must be unique, repeated: {dupes}")
+        return self
+
+    def model(self, name: str) -> Model | None:
+        """The base model serving ``name`` (a model or one of its LoRA adapters)."""
+        for m in self.models:
+            if m.name == name or any(a.name == name for a in m.lora_adapters):
+                return m
+        return None
+
+
+class ConfigError(Exception):
+    """The config file is missing, not YAML, or names an unknown key or a bad value."""
+
+
+def load_config(path: str | Path) -> Config:
+    try:
+        raw = yaml.safe_load(Path(path).read_text())
+    except OSError as e:
+        raise ConfigError(f"cannot read config {path}: {e}") from e
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config {path} is not valid YAML: {e}") from e
+    return parse_config(raw, source=str(path))
+
+
+def parse_config(raw: object, source: str = "<config>") -> Config:
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as e:
+        lines = [f"{source}: invalid config"]
+        for err in e.errors():
+            where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+            lines.append(f"  {where}: {err['msg']}")
+        raise ConfigError("\n".join(lines)) from None
