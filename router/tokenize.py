@@ -169,6 +169,7 @@ class PromptTokenizer:
         name: str,
         segment_cache_tokens: int = DEFAULT_SEGMENT_CACHE_TOKENS,
         verify_rate: float = 0.01,
+        use_segments: bool = True,
         rng: random.Random | None = None,
     ) -> None:
         self._hf = hf_tokenizer
@@ -181,7 +182,9 @@ class PromptTokenizer:
         self._added: dict[str, int] = {}
         self._split_re: re.Pattern[str] | None = None
         self._template_info: dict[str, tuple[str, Any, frozenset[str], bool]] = {}
-        self.segment_disabled_reason: str | None = self._init_segments()
+        self.segment_disabled_reason: str | None = (
+            self._init_segments() if use_segments else "segment cache disabled by configuration"
+        )
         self._special_prefix, self._special_suffix = self._special_wrapping()
 
     @classmethod
@@ -211,7 +214,7 @@ class PromptTokenizer:
             return self.encode_full(text, True)
         ids = self._encode_segments(text)
         if self.verify_rate > 0 and self._rng.random() < self.verify_rate:
-            self._verify(text, ids)
+            ids = self._verify(text, ids)
         if add_special_tokens:
             assert self._special_prefix is not None and self._special_suffix is not None
             return [*self._special_prefix, *ids, *self._special_suffix]
@@ -397,13 +400,16 @@ class PromptTokenizer:
                 SEGMENT_TOKENS.labels(self.name, "miss").inc(miss)
         return ids
 
-    def _verify(self, text: str, ids: list[int]) -> None:
+    def _verify(self, text: str, ids: list[int]) -> list[int]:
+        """Compare with full tokenization; on a mismatch disable the segment path and return the full ids."""
         SEGMENT_CHECKS.labels(self.name).inc()
-        if ids != self.encode_full(text):
+        full = self.encode_full(text)
+        if ids != full:
             SEGMENT_MISMATCHES.labels(self.name).inc()
             self.segment_disabled_reason = "runtime check found a segment/full mismatch"
             self._cache.clear()
             log.warning("tokenizer %s: segment-cached ids differ from full tokenization; segment path disabled", self.name)
+        return full
 
 
 def _position_dependence(spec: dict[str, Any]) -> str | None:
