@@ -47,7 +47,9 @@ import msgspec
 
 __all__ = [
     "MASK64",
+    "REMOVED_FIELDS",
     "REPLAY_END_SEQ",
+    "STORED_FIELDS",
     "AllBlocksCleared",
     "BlockHash",
     "BlockRemoved",
