@@ -1,0 +1,475 @@
+"""vLLM-identical prefix-cache block hashing, for every vLLM version from 0.11 on.
+
+A prompt is cut into full blocks of ``block_size`` tokens and block ``i`` hashes to
+``H_i = hash_fn((H_{i-1}, tuple(block_tokens), extra_keys_i))`` with ``H_{-1} = NONE_HASH``
+(vLLM ``v1/core/kv_cache_utils.py``; ``shared/VLLM_FACTS.md`` §1). Hits are always a
+prefix because each hash chains its parent, so the router only ever needs the chain.
+
+What differs between versions (the *dialect*, table in ``shared/golden/README.md``):
+which algorithms exist, what NONE_HASH is when PYTHONHASHSEED is unset, and the shape
+of the extra keys (LoRA, multimodal items, cache_salt, prompt-embeds digests).
+
+Speed: requests of 8k-128k tokens are normal and hashing sits on the request path.
+``pickle.dumps`` is C code and already fast, so the pickle algorithms call it directly
+(a hand-emitted pickle was measured slower). ``cbor2.dumps(canonical=True)`` costs about
+4 µs a block, so the CBOR algorithms emit the fixed shape ``[bytes, [uint, ...], extra]``
+by hand (:func:`_cbor_token_blob`, :func:`_cbor_tokens`) and fall back to cbor2 for any
+shape they do not cover. ``_reference_hash_block`` is the plain pickle/cbor2
+implementation the tests compare every fast path against.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import pickle
+import re
+from array import array
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import cbor2
+import numpy as np
+import xxhash
+
+log = logging.getLogger(__name__)
+
+ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
+PICKLE_PROTOCOL = 5
+"""``pickle.HIGHEST_PROTOCOL`` on every Python vLLM supports (3.8+); pinned so that a
+router on a newer Python still hashes like the engines the golden files came from."""
+
+UNSET_SEED_FIXED_INPUT = "vllm-none-hash"
+
+
+class HashConfigError(ValueError):
+    """The hashing set-up cannot reproduce the engines' hashes; the message says what to set."""
+
+
+@dataclass(frozen=True)
+class Dialect:
+    """How one range of vLLM versions forms block hashes.
+
+    ``mm_key`` also fixes the overlap rule: the bare-identifier versions compare block
+    ends exclusively-inclusive (``start > offset + length`` skips an item), the
+    offset-carrying ones (vLLM PR #36708) use ``>=``. Only the cursor-less decode path
+    and zero-length items can tell the two apart, but both are kept exact.
+    """
+
+    name: str
+    since: tuple[int, int, int]
+    algos: frozenset[str]
+    unset_seed_fixed: bool
+    lora_key: Literal["int_id", "name", "tagged"]
+    mm_key: Literal["identifier", "identifier_offset", "tagged"]
+    tagged_salt: bool
+    prompt_embeds: bool
+    tagged_prompt_embeds: bool
+
+    def lora_extra_key(self, lora: Mapping[str, Any]) -> Any:
+        """The hashed form of a LoRA adapter (``name``, ``path``, ``int_id``) in this dialect."""
+        try:
+            if self.lora_key == "int_id":
+                return _require(lora, "int_id", int)
+            if self.lora_key == "name":
+                return _require(lora, "name", str)
+            return ("lora", _require(lora, "name", str), _require(lora, "path", str))
+        except (KeyError, TypeError) as e:
+            raise HashConfigError(
+                f"LoRA adapter for vLLM {self.name} hashing needs {e.args[0]}; give each adapter "
+                "its name, path and id exactly as in the engines' --lora-modules"
+            ) from None
+
+    def mm_extra_key(self, identifier: str, offset_in_block: int) -> Any:
+        """The hashed form of a multimodal item overlapping a block (offset may be negative)."""
+        if self.mm_key == "identifier":
+            return identifier
+        if self.mm_key == "identifier_offset":
+            return (identifier, offset_in_block)
+        return ("mm", identifier, offset_in_block)
+
+    def salt_extra_key(self, cache_salt: str) -> Any:
+        """The hashed form of ``cache_salt`` (first block only)."""
+        return ("cache_salt", cache_salt) if self.tagged_salt else cache_salt
+
+    def prompt_embeds_extra_key(self, digest: bytes) -> Any:
+        """The hashed form of a block's prompt-embeds digest (sha256 of the block's tensor bytes)."""
+        if not self.prompt_embeds:
+            raise HashConfigError(f"vLLM {self.name} has no prompt-embeds block keys")
+        return ("prompt_embeds", digest) if self.tagged_prompt_embeds else digest
+
+
+_ALL = frozenset(ALGOS)
+DIALECTS: tuple[Dialect, ...] = (
+    Dialect("0.11", (0, 11, 0), frozenset({"sha256", "sha256_cbor"}), False, "int_id", "identifier", False, False, False),
+    Dialect("0.12-0.19.0", (0, 12, 0), _ALL, False, "name", "identifier", False, True, False),
+    # PR #36708 (offset in the MM key, inclusive boundaries) first shipped in v0.19.1.
+    Dialect("0.19.1-0.29", (0, 19, 1), _ALL, False, "name", "identifier_offset", False, True, False),
+    # 0.29 was not examined; it stays with the random unset seed, which only ever
+    # turns an ambiguous set-up into a configuration error, never into a wrong hash.
+    Dialect("0.30", (0, 30, 0), _ALL, True, "name", "identifier_offset", False, True, False),
+    Dialect("0.31+", (0, 31, 0), _ALL, True, "tagged", "tagged", True, True, True),
+)
+NEWEST_VERIFIED = (0, 33, 0)
+_VERSION = re.compile(r"^\s*v?(\d+)\.(\d+)(?:\.(\d+))?")
+
+
+@functools.lru_cache(maxsize=64)
+def dialect_for(vllm_version: str) -> Dialect:
+    """The dialect of ``vllm_version`` ("0.22.1", "0.33.0rc1", "0.28.0+cu128").
+
+    Unparseable and newer-than-verified versions get the newest dialect with a logged
+    warning (new releases have so far changed hashing rarely). Versions before 0.11
+    hashed differently (ints, the ``builtin`` algorithm) and are refused.
+    """
+    m = _VERSION.match(str(vllm_version))
+    if m is None:
+        log.warning("vLLM version %r is not a version number; hashing like vLLM %s",
+                    vllm_version, DIALECTS[-1].name)
+        return DIALECTS[-1]
+    v = (int(m[1]), int(m[2]), int(m[3] or 0))
+    if v < DIALECTS[0].since:
+        raise HashConfigError(
+            f"vLLM {vllm_version} is older than 0.11, whose block hashes kvrouter cannot reproduce; "
+            "upgrade the engines or set vllm_version to what they run"
+        )
+    if v > NEWEST_VERIFIED:
+        log.warning("vLLM %s is newer than the newest verified version (%s); hashing like vLLM %s",
+                    vllm_version, ".".join(map(str, NEWEST_VERIFIED)), DIALECTS[-1].name)
+    return [d for d in DIALECTS if d.since <= v][-1]
+
+
+def to_int64(digest: bytes) -> int:
+    """The 64-bit key events carry for a hash: the digest's low 64 bits, big-endian, unsigned."""
+    return int.from_bytes(digest[-8:], "big")
+
+
+def _require(d: Mapping[str, Any], key: str, kind: type) -> Any:
+    value = d[key]
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise TypeError(f"{key} as {kind.__name__}")
+    return value
+
+
+def _digest_fn(algo: str) -> Callable[[bytes], bytes]:
+    if algo.startswith("sha256"):
+        return lambda data: hashlib.sha256(data).digest()
+    return xxhash.xxh3_128_digest
+
+
+def _serialize_fn(algo: str) -> Callable[[Any], bytes]:
+    if algo.endswith("_cbor"):
+        return functools.partial(cbor2.dumps, canonical=True)
+    return functools.partial(pickle.dumps, protocol=PICKLE_PROTOCOL)
+
+
+def _reference_hash_block(algo: str, parent: bytes, tokens: Sequence[int], extra_keys: tuple | None) -> bytes:
+    """vLLM's ``hash_block_tokens`` spelled with plain pickle/cbor2: the oracle for the fast paths."""
+    return _digest_fn(algo)(_serialize_fn(algo)((parent, tuple(tokens), extra_keys)))
+
+
+# --- hand-emitted canonical CBOR ------------------------------------------------------
+
+_CBOR_NULL = b"\xf6"
+_CBOR_MAX_FAST = 1 << 32
+# Token classes by magnitude: < 24 (1 byte), < 256 (2), < 65536 (3), < 2**32 (5).
+_CBOR_BOUNDS = np.array([24, 256, 65536], dtype=np.int64)
+_CBOR_WIDTH = np.array([1, 2, 3, 5], dtype=np.int64)
+_CBOR_LEAD = np.array([0, 0x18 << 8, 0x19 << 16, 0x1A << 32], dtype=np.int64)
+
+
+def _cbor_head(major: int, n: int) -> bytes:
+    """A CBOR item head with the shortest argument, as canonical CBOR requires."""
+    m = major << 5
+    if n < 24:
+        return bytes((m | n,))
+    if n < 0x100:
+        return bytes((m | 24, n))
+    if n < 0x10000:
+        return bytes((m | 25,)) + n.to_bytes(2, "big")
+    if n < 0x100000000:
+        return bytes((m | 26,)) + n.to_bytes(4, "big")
+    return bytes((m | 27,)) + n.to_bytes(8, "big")
+
+
+def _cbor_tokens(tokens: Sequence[int]) -> bytes | None:
+    """Canonical CBOR of the unsigned ints, concatenated; None if one is not an int in [0, 2**64)."""
+    out = []
+    for t in tokens:
+        if type(t) is not int or not 0 <= t < 1 << 64:
+            return None
+        out.append(_cbor_head(0, t))
+    return b"".join(out)
+
+
+def _cbor_token_blob(token_ids: Sequence[int]) -> tuple[bytes, np.ndarray] | None:
+    """All token ids as concatenated canonical CBOR uints, and each token's end offset.
+
+    Vectorised so the per-token cost is a few numpy passes instead of Python calls:
+    each token becomes one big-endian 8-byte row ``lead << 8*(w-1) | value`` whose last
+    ``w`` bytes are exactly its CBOR encoding, and one gather keeps those bytes.
+    None when a token is outside [0, 2**32) (the caller falls back).
+    """
+    try:
+        ints = np.frombuffer(array("q", token_ids), dtype=np.int64)
+    except (TypeError, OverflowError):
+        return None
+    if ints.size == 0 or int(ints.min()) < 0 or int(ints.max()) >= _CBOR_MAX_FAST:
+        return None
+    cls = np.searchsorted(_CBOR_BOUNDS, ints, side="right")
+    width = _CBOR_WIDTH[cls]
+    rows = (ints + _CBOR_LEAD[cls]).astype(">u8").view(np.uint8)
+    ends = np.cumsum(width)
+    shift = np.arange(8, 8 * ints.size + 1, 8) - ends
+    gather = np.arange(int(ends[-1])) + np.repeat(shift, width)
+    return rows[gather].tobytes(), ends
+
+
+# --- the hasher ------------------------------------------------------------------------
+
+_CHAIN_NUMPY_MIN_BLOCKS = 4
+"""Below this many blocks numpy's fixed overhead costs more than per-token encoding."""
+
+
+class BlockHasher:
+    """Hashes token ids into vLLM's block hashes for one engine configuration.
+
+    ``seed`` is the engines' PYTHONHASHSEED string, or None when it is unset there.
+    Invariant: for any input, every result equals ``_reference_hash_block`` chained
+    block by block, i.e. what vLLM's ``request_block_hasher`` computes for a prompt.
+    """
+
+    def __init__(self, algo: str, block_size: int, seed: str | int | None, vllm_version: str) -> None:
+        if algo not in ALGOS:
+            raise HashConfigError(f"unknown hash algorithm {algo!r}; expected one of {', '.join(ALGOS)}")
+        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+            raise HashConfigError(f"block_size must be a positive integer, got {block_size!r}")
+        self.dialect = dialect_for(vllm_version)
+        if algo not in self.dialect.algos:
+            raise HashConfigError(
+                f"vLLM {vllm_version} has no {algo} prefix-caching hash; use one of "
+                f"{', '.join(sorted(self.dialect.algos))} (--prefix-caching-hash-algo)"
+            )
+        self.algo = algo
+        self.block_size = block_size
+        self.vllm_version = vllm_version
+        self.seed = None if seed is None else str(seed)
+        self._digest = _digest_fn(algo)
+        self._cbor = algo.endswith("_cbor")
+        self.none_hash = self._none_hash()
+        self._array_head = _cbor_head(4, block_size)
+
+    def _none_hash(self) -> bytes:
+        """NONE_HASH: hash_fn(seed) when set; when unset, fixed only for >= 0.30 crypto algorithms."""
+        if self.seed is not None:
+            return self._digest(_serialize_fn(self.algo)(self.seed))
+        if self.dialect.unset_seed_fixed and self.algo.startswith("sha256"):
+            return self._digest(_serialize_fn(self.algo)(UNSET_SEED_FIXED_INPUT))
+        why = (
+            "xxhash algorithms seed the chain randomly"
+            if self.dialect.unset_seed_fixed
+            else "vLLM before 0.30 seeds the chain with os.urandom"
+        )
+        raise HashConfigError(
+            f"PYTHONHASHSEED is unset on the engines and {why} (vLLM {self.vllm_version}, {self.algo}), "
+            'so their block hashes cannot be reproduced: set PYTHONHASHSEED=0 on every engine and '
+            'hash_seed: "0" in the config'
+        )
+
+    # -- one block --------------------------------------------------------------------
+
+    def hash_block(self, parent: bytes | None, tokens: Sequence[int], extra_keys: tuple | None) -> bytes:
+        """One block's hash; ``extra_keys`` already in this dialect's hashed form (or None).
+
+        A falsy ``parent`` means the first block (NONE_HASH), as in vLLM.
+        """
+        parent = parent or self.none_hash
+        if self._cbor:
+            data = self._cbor_message(parent, tokens, self._cbor_extra(extra_keys))
+            if data is not None:
+                return self._digest(data)
+        return _reference_hash_block(self.algo, parent, tokens, extra_keys)
+
+    def _cbor_extra(self, extra_keys: tuple | None) -> bytes:
+        return _CBOR_NULL if extra_keys is None else cbor2.dumps(extra_keys, canonical=True)
+
+    def _cbor_message(self, parent: bytes, tokens: Sequence[int], extra: bytes) -> bytes | None:
+        body = _cbor_tokens(tokens)
+        if body is None or not isinstance(parent, bytes):
+            return None
+        return b"".join((b"\x83", _cbor_head(2, len(parent)), parent, _cbor_head(4, len(tokens)), body, extra))
+
+    # -- a chain of blocks ------------------------------------------------------------
+
+    def hash_blocks(
+        self,
+        token_ids: Sequence[int],
+        *,
+        lora: Mapping[str, Any] | None = None,
+        cache_salt: str | None = None,
+        mm: Sequence[Mapping[str, Any]] | None = None,
+        parent: bytes | None = None,
+        start_block: int | None = None,
+        prompt_embeds_digests: Sequence[bytes] | None = None,
+    ) -> list[bytes]:
+        """The full digests of every full block of ``token_ids``, in order.
+
+        ``lora``: ``{"name", "path", "int_id"}``. ``mm``: ``[{"identifier", "offset",
+        "length"}]`` in prompt order with absolute token offsets. ``cache_salt`` keys the
+        first block only. ``prompt_embeds_digests``: one per full block of this call.
+
+        Continuing a chain: ``parent`` is the digest of the block before ``token_ids[0]``
+        and ``start_block`` that first block's index in the whole prompt, so ``token_ids``
+        start at token ``start_block * block_size``. Multimodal offsets stay absolute and
+        the salt applies only when ``start_block`` is 0, which makes
+        ``hash_blocks(t[k*B:], parent=h[k-1], start_block=k, ...) == h[k:]`` for
+        ``h = hash_blocks(t, ...)``. Without mm, salt or embeds the position does not
+        matter and ``start_block`` may be left out.
+        """
+        first = self._first_block(parent, start_block, cache_salt, mm)
+        if parent is not None and not isinstance(parent, bytes):
+            raise ValueError(f"parent must be the bytes digest of the previous block, got {type(parent).__name__}")
+        if not isinstance(token_ids, (list, tuple)):
+            token_ids = token_ids.tolist() if hasattr(token_ids, "tolist") else [int(t) for t in token_ids]
+        n_blocks = len(token_ids) // self.block_size
+        if n_blocks == 0:
+            return []
+        extras = self._extra_keys(n_blocks, first, lora, cache_salt, mm, prompt_embeds_digests)
+        start = parent or self.none_hash
+        if self._cbor:
+            return self._chain_cbor(start, token_ids, n_blocks, extras)
+        return self._chain_pickle(start, token_ids, n_blocks, extras)
+
+    def hash_blocks_int64(self, token_ids: Sequence[int], **kwargs: Any) -> list[int]:
+        """:meth:`hash_blocks` in the 64-bit form events carry (:func:`to_int64`)."""
+        return [int.from_bytes(d[-8:], "big") for d in self.hash_blocks(token_ids, **kwargs)]
+
+    def _first_block(self, parent, start_block, cache_salt, mm) -> int:
+        """The index of the first block hashed; only multimodal keys and the salt depend on it."""
+        if start_block is None:
+            if parent is not None and (cache_salt or mm):
+                raise ValueError("continuing a chain with cache_salt or mm needs start_block (the block index)")
+            return 0 if parent is None else 1
+        if not isinstance(start_block, int) or start_block < 0:
+            raise ValueError(f"start_block must be a non-negative int, got {start_block!r}")
+        if start_block > 0 and parent is None:
+            raise ValueError("start_block > 0 needs parent, the digest of the block before it")
+        return start_block
+
+    def _extra_keys(self, n_blocks, first, lora, cache_salt, mm, prompt_embeds_digests) -> list[tuple | None]:
+        """Per-block extra keys in vLLM's order: LoRA, multimodal items, cache_salt, prompt embeds."""
+        d = self.dialect
+        base = [d.lora_extra_key(lora)] if lora else []
+        per_block: dict[int, list[Any]] = {}
+        if mm:
+            per_block = _mm_keys(d, _mm_items(mm), self.block_size, first, n_blocks)
+        if cache_salt and first == 0:
+            per_block.setdefault(0, []).append(d.salt_extra_key(cache_salt))
+        if prompt_embeds_digests is not None:
+            if len(prompt_embeds_digests) < n_blocks:
+                raise ValueError(f"prompt_embeds_digests has {len(prompt_embeds_digests)} digests for {n_blocks} blocks")
+            for i in range(n_blocks):
+                per_block.setdefault(i, []).append(d.prompt_embeds_extra_key(prompt_embeds_digests[i]))
+        common = tuple(base) if base else None
+        extras = [common] * n_blocks
+        for i, keys in per_block.items():
+            extras[i] = tuple(base + keys)
+        return extras
+
+    def _chain_pickle(self, parent: bytes, token_ids: Sequence[int], n_blocks: int, extras: list) -> list[bytes]:
+        digest, dumps, size, proto = self._digest, pickle.dumps, self.block_size, PICKLE_PROTOCOL
+        out = []
+        for i in range(n_blocks):
+            s = i * size
+            parent = digest(dumps((parent, tuple(token_ids[s : s + size]), extras[i]), proto))
+            out.append(parent)
+        return out
+
+    def _chain_cbor(self, parent: bytes, token_ids: Sequence[int], n_blocks: int, extras: list) -> list[bytes]:
+        """Hand-emitted ``[parent, [tokens...], extra]`` per block; extras encoded once each by cbor2."""
+        size = self.block_size
+        encoded: dict[int, bytes] = {}  # by id(): blocks without their own keys share one tuple
+        tails = []
+        for e in extras:
+            if id(e) not in encoded:
+                encoded[id(e)] = self._cbor_extra(e)
+            tails.append(encoded[id(e)])
+        blob = _cbor_token_blob(token_ids[: n_blocks * size]) if n_blocks >= _CHAIN_NUMPY_MIN_BLOCKS else None
+        if blob is None:
+            return self._chain_cbor_per_block(parent, token_ids, n_blocks, extras, tails)
+        data, ends = blob
+        block_ends = ends[size - 1 :: size].tolist()
+        digest, join, head = self._digest, b"".join, self._array_head
+        out = [self._digest(b"".join((b"\x83", _cbor_head(2, len(parent)), parent, head,
+                                      data[: block_ends[0]], tails[0])))]
+        lead = b"\x83" + _cbor_head(2, len(out[0]))
+        parent = out[0]
+        for i in range(1, n_blocks):
+            parent = digest(join((lead, parent, head, data[block_ends[i - 1] : block_ends[i]], tails[i])))
+            out.append(parent)
+        return out
+
+    def _chain_cbor_per_block(self, parent, token_ids, n_blocks, extras, tails) -> list[bytes]:
+        size, out = self.block_size, []
+        for i in range(n_blocks):
+            tokens = token_ids[i * size : (i + 1) * size]
+            data = self._cbor_message(parent, tokens, tails[i])
+            parent = self._digest(data) if data is not None else _reference_hash_block(self.algo, parent, tokens, extras[i])
+            out.append(parent)
+        return out
+
+
+@dataclass(frozen=True)
+class _MMItem:
+    identifier: str
+    offset: int
+    length: int
+
+
+def _mm_items(mm: Sequence[Mapping[str, Any]]) -> list[_MMItem]:
+    items = []
+    for i, item in enumerate(mm):
+        try:
+            items.append(_MMItem(_require(item, "identifier", str), _require(item, "offset", int),
+                                 _require(item, "length", int)))
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"mm[{i}] needs {e.args[0]} (identifier str, offset int, length int)") from None
+        if items[-1].offset < 0 or items[-1].length < 0:
+            raise ValueError(f"mm[{i}] offset and length must be >= 0")
+    return items
+
+
+def _mm_keys(d: Dialect, items: list[_MMItem], size: int, first: int, n_blocks: int) -> dict[int, list[Any]]:
+    """Multimodal keys per block (index relative to ``first``), as vLLM's ``_gen_mm_extra_hash_keys``.
+
+    vLLM walks the items with a cursor carried from block to block starting at block 0;
+    the cursor is replayed over the blocks before ``first`` so that continuing a chain
+    gives the same keys as hashing the whole prompt.
+    """
+    inclusive = d.mm_key != "identifier"
+    last_end = items[-1].offset + items[-1].length
+    keys: dict[int, list[Any]] = {}
+    cursor = 0
+    for b in range(first + n_blocks):
+        start, end = b * size, (b + 1) * size
+        if last_end < start or (inclusive and last_end == start):
+            break
+        found: list[Any] = []
+        while cursor < len(items):
+            it = items[cursor]
+            if end <= it.offset:
+                break
+            item_end = it.offset + it.length
+            if start > item_end or (inclusive and start == item_end):
+                cursor += 1
+                continue
+            found.append(d.mm_extra_key(it.identifier, it.offset - start))
+            if end >= item_end:
+                cursor += 1
+            else:
+                break
+        if found and b >= first:
+            keys[b - first] = found
+    return keys
