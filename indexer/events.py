@@ -236,29 +236,55 @@ def _from_array(ev: msgspec.Struct) -> Event:
     return cls(*msgspec.structs.astuple(ev))
 
 
+def _looks_positional(payload: bytes) -> bool:
+    """Whether the first event of a batch laid out as vLLM sends it is an array.
+
+    vLLM always sends ``fixarray(3), float64 ts, events array``, so the first event
+    starts right after the events header at byte 11, 13 or 15. Any other layout says
+    False; that only costs one failed attempt, as :func:`decode_batch` tries both forms.
+    """
+    if len(payload) < 12 or payload[1] != 0xCB:
+        return False
+    head = payload[10]
+    if 0x90 <= head <= 0x9F:
+        i = 11
+    elif head == 0xDC:
+        i = 13
+    elif head == 0xDD:
+        i = 15
+    else:
+        return False
+    return i < len(payload) and (0x90 <= payload[i] <= 0x9F or payload[i] in (0xDC, 0xDD))
+
+
+def _decode_map(payload: bytes) -> EventBatch:
+    return _MAP_DECODER.decode(payload)
+
+
+def _decode_array(payload: bytes) -> EventBatch:
+    raw = _ARRAY_DECODER.decode(payload)
+    return EventBatch(raw.ts, [_from_array(ev) for ev in raw.events], raw.data_parallel_rank)
+
+
 def decode_batch(payload: bytes) -> EventBatch:
     """Decode one PUB payload (frame 3) of any vLLM version into an :class:`EventBatch`.
 
-    The map form (every current engine) decodes in one msgspec call straight into the
-    public structs. A payload whose events are positional arrays (<= 0.23) fails that
-    at the first event and is decoded as arrays instead. Only a batch holding an event
-    tag neither form knows (or a mix of both forms) takes the slow per-event path.
+    Each form decodes in one msgspec call: maps (>= 0.24) straight into the public
+    structs, positional arrays (<= 0.23) into array twins that are then copied into
+    them. The form is guessed from the first event's first byte and the other form is
+    tried if the guess fails validation. Only a batch holding an event tag neither
+    form knows (or a mix of both forms) takes the slow per-event path.
 
     Raises :class:`EventDecodeError` for anything that is not a valid batch.
     """
-    try:
-        return _MAP_DECODER.decode(payload)
-    except msgspec.ValidationError:
-        pass
-    except Exception as e:
-        raise EventDecodeError(f"not a msgpack event batch: {e}") from None
-    try:
-        raw = _ARRAY_DECODER.decode(payload)
-        return EventBatch(raw.ts, [_from_array(ev) for ev in raw.events], raw.data_parallel_rank)
-    except msgspec.ValidationError:
-        pass
-    except Exception as e:
-        raise EventDecodeError(f"not a msgpack event batch: {e}") from None
+    attempts = (_decode_array, _decode_map) if _looks_positional(payload) else (_decode_map, _decode_array)
+    for attempt in attempts:
+        try:
+            return attempt(payload)
+        except msgspec.ValidationError:
+            continue
+        except Exception as e:
+            raise EventDecodeError(f"not a msgpack event batch: {e}") from None
     return _decode_per_event(payload)
 
 

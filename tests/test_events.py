@@ -160,6 +160,14 @@ def test_rank_may_be_omitted():
     assert batch == EventBatch(1.5, [AllBlocksCleared()], None)
 
 
+def test_positional_events_decode_whatever_the_batch_header_looks_like():
+    stored = ["BlockStored", [3], None, list(range(16)), 16, None, "GPU"]
+    many = [["BlockRemoved", [i], "GPU"] for i in range(20)]
+    for payload in (msgspec.msgpack.encode([7, [stored], 0]), msgspec.msgpack.encode([7.0, many + [stored]])):
+        batch = decode_batch(payload)
+        assert batch.events[-1] == BlockStored([3], None, list(range(16)), 16, None, "GPU")
+
+
 def test_unknown_event_type_is_kept_and_others_still_decode():
     events = [{"type": "BlockMoved", "block_hashes": [1]}, {"type": "BlockRemoved", "block_hashes": [7], "medium": "GPU"}]
     batch = decode_batch(_batch_payload(events))
