@@ -174,12 +174,12 @@ def to_key(block_hash: BlockHash) -> int:
 def to_keys(block_hashes: list[BlockHash]) -> list[int]:
     """Index keys for a list of hashes, as :func:`to_key` maps each one.
 
-    The common case (ints in 0..2**64-1, which is all msgpack can carry as a positive
-    int) needs no work, so the input list itself is returned: callers must not
-    mutate the result. Any bytes or negative int falls back to a mapped copy.
+    The common case (ints already in 0..2**64-1, as every int-hash engine sends them)
+    needs no work, so the input list itself is returned: callers must not mutate the
+    result. Any bytes or out-of-range int falls back to a mapped copy.
     """
     for h in block_hashes:
-        if type(h) is not int or h < 0:
+        if type(h) is not int or h < 0 or h > MASK64:
             return [to_key(x) for x in block_hashes]
     return block_hashes  # type: ignore[return-value]
 

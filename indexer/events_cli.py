@@ -41,7 +41,7 @@ _ARRAY_ANCHORS = ("0.11", "0.14", "0.22")
 
 def configure(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="events_command", metavar="SUBCOMMAND", required=True)
-    p = sub.add_parser("decode", help="decode KV-event payloads", description=__doc__.splitlines()[0])
+    p = sub.add_parser("decode", help="decode KV-event payloads", description="Decode vLLM KV-event payloads: JSON lines for machines, tables for operators.")
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--jsonl", action="store_true", help='stdin lines {"topic_hex","seq","payload_hex"} -> JSON lines')
     mode.add_argument("--hex", metavar="PAYLOAD", help="decode one msgpack payload given in hex")
@@ -159,7 +159,7 @@ def _short(h: BlockHash | None) -> str:
 
 
 def print_batch(console: Console, batch: EventBatch, *, seq: int | None, topic: bytes | None) -> None:
-    """One batch as a table: type, number of hashes, first hash, parent, medium, ..."""
+    """One batch as a table: per event its type, number of hashes, first hash, medium, details."""
     try:
         when = datetime.fromtimestamp(batch.ts, tz=timezone.utc).isoformat(timespec="milliseconds")
     except (OverflowError, OSError, ValueError):
@@ -168,29 +168,31 @@ def print_batch(console: Console, batch: EventBatch, *, seq: int | None, topic: 
     if topic:
         title += f"  topic {topic.decode('utf-8', 'replace')}"
     table = Table(title=title, title_justify="left")
-    for col in ("#", "type", "n hashes", "first hash", "parent", "medium", "block size", "tokens", "lora", "group"):
-        table.add_column(col, no_wrap=col in ("type", "first hash", "parent"))
+    table.add_column("#", justify="right")
+    table.add_column("type", no_wrap=True)
+    table.add_column("hashes", justify="right")
+    table.add_column("first hash", no_wrap=True)
+    table.add_column("medium")
+    table.add_column("details")
     for i, ev in enumerate(batch.events):
         if isinstance(ev, BlockStored):
-            first = ev.block_hashes[0] if ev.block_hashes else None
-            table.add_row(
-                str(i), "BlockStored", str(len(ev.block_hashes)), _short(first), _short(ev.parent_block_hash),
-                ev.medium or "-", str(ev.block_size), str(len(ev.token_ids)),
-                ev.lora_name or (str(ev.lora_id) if ev.lora_id is not None else "-"),
-                "-" if ev.group_idx is None else str(ev.group_idx),
-            )
+            lora = ev.lora_name or (str(ev.lora_id) if ev.lora_id is not None else None)
+            details = f"parent {_short(ev.parent_block_hash)}, {len(ev.token_ids)} tokens, block size {ev.block_size}"
+            details += f", lora {lora}" if lora else ""
+            details += f", group {ev.group_idx}" if ev.group_idx is not None else ""
+            row = ("BlockStored", ev.block_hashes, ev.medium, details)
         elif isinstance(ev, BlockRemoved):
-            first = ev.block_hashes[0] if ev.block_hashes else None
-            table.add_row(
-                str(i), "BlockRemoved", str(len(ev.block_hashes)), _short(first), "", ev.medium or "-",
-                "", "", "", "-" if ev.group_idx is None else str(ev.group_idx),
-            )
+            details = f"group {ev.group_idx}" if ev.group_idx is not None else ""
+            row = ("BlockRemoved", ev.block_hashes, ev.medium, details)
         elif isinstance(ev, AllBlocksCleared):
-            table.add_row(str(i), "AllBlocksCleared", *[""] * 8)
+            row = ("AllBlocksCleared", [], None, "")
         else:
-            table.add_row(str(i), f"[yellow]{ev.type} (unknown)[/yellow]", *[""] * 8)
+            row = (f"{ev.type} (unknown)", [], None, "")
+        name, hashes, medium, details = row
+        first = _short(hashes[0]) if hashes else ""
+        table.add_row(str(i), name, str(len(hashes)), first, medium or "-", details)
     if not batch.events:
-        table.add_row("", "(no events)", *[""] * 8)
+        table.add_row("", "(no events)", "", "", "", "")
     console.print(table)
 
 

@@ -136,6 +136,7 @@ def test_bytes_and_int_hash_forms_meet_on_the_same_key():
 def test_to_key_masks_signed_ints_onto_unsigned_keys():
     assert to_key(-1) == 2**64 - 1
     assert to_keys([1, -2, b"\x00" * 24 + b"\x00\x00\x00\x00\x00\x00\x01\x00"]) == [1, 2**64 - 2, 256]
+    assert to_keys([2**64 + 5]) == [5]
     plain = [0, 5, 2**64 - 1]
     assert to_keys(plain) is plain
 
