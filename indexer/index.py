@@ -1,0 +1,445 @@
+"""The prefix index: which worker holds how many leading blocks of a request.
+
+Every engine reports, through KV events, the 64-bit keys of the blocks it caches and in
+which tier (``medium``: GPU, CPU, ...). The router asks, for a request's chain of block
+keys, how many *leading* blocks each worker holds. Only the leading run counts because
+each block hash chains its parent: vLLM's scheduler walks the chain left to right and
+stops at the first miss (``shared/VLLM_FACTS.md`` §2), so a block held after a gap is
+never reused.
+
+Two implementations share the :class:`Index` protocol and its semantics (the tests run
+one behaviour suite over both): :class:`MemoryIndex` here, the embedded default, and
+``indexer.redis_index.RedisIndex``, shared by router replicas.
+
+Semantics common to both:
+
+* ``lookup`` returns ``{worker: {medium: n}}`` where the ``n`` of a worker add up to its
+  matched count, the number of leading keys it holds in *any* medium. Each of those
+  blocks is attributed to the best tier holding it (:func:`medium_rank`: GPU, then
+  CPU, then other names alphabetically), so a block in GPU and CPU counts as GPU. A
+  worker that matched nothing is absent, and so is a medium with no blocks.
+* Models are separate key spaces (vLLM's hash does not include the model name); LoRA
+  adapters need no separation because their name (and, from 0.31, path) is in the hash.
+* Keys are ints in ``0 .. 2**64-1``. ``store``/``remove`` reject anything else with
+  :class:`InvalidKey` before changing anything (``apply`` cannot meet one: the event's
+  hashes go through :func:`indexer.events.to_keys`, which maps ints and digests into
+  that range). ``lookup`` does not check: a key that cannot be stored never matches.
+* ``medium=None`` means GPU (older engines send no medium).
+* ``block_counts`` counts (block, medium) entries per worker; a worker holding nothing
+  is absent.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+from array import array
+from collections.abc import Sequence
+from typing import NamedTuple, Protocol
+
+from indexer.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, to_keys
+
+__all__ = [
+    "DEFAULT_MEDIUM",
+    "Hits",
+    "Index",
+    "InvalidKey",
+    "MemoryIndex",
+    "Worker",
+    "batch_ops",
+    "medium_rank",
+    "validate_keys",
+]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MEDIUM = "GPU"
+KEY_LIMIT = 1 << 64
+
+
+class Worker(NamedTuple):
+    """One engine's KV cache: a backend and its data-parallel rank."""
+
+    backend: str
+    dp_rank: int = 0
+
+
+Hits = dict[Worker, dict[str, int]]
+"""worker -> {medium: number of the request's leading blocks held, attributed to that medium}."""
+
+
+class InvalidKey(ValueError):
+    """A block key that is not an int in ``0 .. 2**64-1``."""
+
+
+class Index(Protocol):
+    """Where the fleet's cached blocks are, per model, worker and medium."""
+
+    def apply(self, model: str, worker: Worker, batch: EventBatch) -> None:
+        """Apply one event batch in order (the subscriber thread calls this)."""
+
+    def store(self, model: str, worker: Worker, keys: Sequence[int], medium: str | None = DEFAULT_MEDIUM) -> None:
+        """``worker`` now holds ``keys`` in ``medium``."""
+
+    def remove(self, model: str, worker: Worker, keys: Sequence[int], medium: str | None = DEFAULT_MEDIUM) -> None:
+        """``worker`` no longer holds ``keys`` in ``medium``; keys it did not hold are ignored."""
+
+    def clear(self, model: str, worker: Worker) -> None:
+        """Forget everything ``worker`` holds in every medium (AllBlocksCleared, restart, purge)."""
+
+    async def lookup(self, model: str, keys: Sequence[int]) -> Hits:
+        """Leading blocks of ``keys`` held by each worker (request path, event loop)."""
+
+    def block_counts(self, model: str) -> dict[Worker, int]:
+        """(block, medium) entries held per worker."""
+
+    def memory_bytes(self) -> int:
+        """Bytes the index occupies (an accounted estimate; see each implementation)."""
+
+
+def medium_rank(medium: str) -> tuple[int, str]:
+    """Sort key of tiers, best first: GPU, CPU, then any other name alphabetically."""
+    if medium == "GPU":
+        return (0, "")
+    if medium == "CPU":
+        return (1, "")
+    return (2, medium)
+
+
+def validate_keys(keys: Sequence[int]) -> Sequence[int]:
+    """``keys`` unchanged if every one is an int in ``0 .. 2**64-1``, else :class:`InvalidKey`.
+
+    ``min``/``max`` and a set of types run in C, so checking costs a few ns per key.
+    """
+    if not keys:
+        return keys
+    kinds = set(map(type, keys))
+    if kinds != {int}:
+        bad = next(k for k in keys if type(k) is not int)
+        raise InvalidKey(f"block key {bad!r} is a {type(bad).__name__}, not an int")
+    lo, hi = min(keys), max(keys)
+    if lo < 0 or hi >= KEY_LIMIT:
+        bad = lo if lo < 0 else hi
+        raise InvalidKey(f"block key {bad} is outside 0 .. 2**64-1")
+    return keys
+
+
+class Op(NamedTuple):
+    """One index write derived from an event: ``kind`` is store, remove or clear."""
+
+    kind: str
+    medium: str
+    keys: Sequence[int]
+
+
+def batch_ops(batch: EventBatch) -> list[Op]:
+    """The index writes an event batch stands for, in order.
+
+    Only KV-cache group 0 (or no group, pre-hybrid engines) is indexed. A hybrid model
+    keys its blocks per group; group 0 is the full-attention group whose chain is the
+    one the router hashes (one key per ``block_size`` tokens), while other groups
+    (sliding window, mamba) hold either the same keys again or coarser keys, which
+    would only duplicate or pollute group 0's chain. Events of unknown types are
+    skipped (the subscriber counts them when decoding).
+    """
+    ops: list[Op] = []
+    for ev in batch.events:
+        if type(ev) is BlockStored:
+            if ev.group_idx:
+                continue
+            ops.append(Op("store", ev.medium or DEFAULT_MEDIUM, to_keys(ev.block_hashes)))
+        elif type(ev) is BlockRemoved:
+            if ev.group_idx:
+                continue
+            ops.append(Op("remove", ev.medium or DEFAULT_MEDIUM, to_keys(ev.block_hashes)))
+        elif type(ev) is AllBlocksCleared:
+            ops.append(Op("clear", DEFAULT_MEDIUM, ()))
+    return ops
+
+
+_FIELD = 32
+"""Bits per worker in a spread counter (see :meth:`_ModelIndex.spread`); counts < 2**32."""
+
+
+class _ModelIndex:
+    """One model's key space.
+
+    Invariants:
+
+    * ``tables[medium][key]`` is a bitmask of worker slots holding ``key`` in that
+      medium, never 0 (a key no worker holds is deleted). With at most 9 workers the
+      masks are CPython's cached small ints, so an entry costs only its dict slot and
+      its key object.
+    * ``logs[(slot, medium)]`` holds every key stored by that worker in that medium
+      since the last compaction (removed keys included, duplicates possible), as raw
+      8-byte values: clearing a worker walks its own log, never the whole table.
+    * ``counts[(slot, medium)]`` is the number of keys whose mask has the slot's bit.
+    * ``workers`` (slot -> Worker) and ``order`` ((medium, table) best tier first) are
+      tuples replaced whole, so a lookup on another thread reads a consistent snapshot.
+    """
+
+    __slots__ = ("counts", "logs", "order", "slots", "spreads", "tables", "workers")
+
+    def __init__(self) -> None:
+        self.slots: dict[Worker, int] = {}
+        self.workers: tuple[Worker, ...] = ()
+        self.tables: dict[str, dict[int, int]] = {}
+        self.order: tuple[tuple[str, dict[int, int]], ...] = ()
+        self.logs: dict[tuple[int, str], array] = {}
+        self.counts: dict[tuple[int, str], int] = {}
+        self.spreads: dict[int, int] = {}
+
+    def slot(self, worker: Worker) -> int:
+        slot = self.slots.get(worker)
+        if slot is None:
+            slot = len(self.workers)
+            self.slots[worker] = slot
+            self.workers = (*self.workers, worker)
+        return slot
+
+    def table(self, medium: str) -> dict[int, int]:
+        table = self.tables.get(medium)
+        if table is None:
+            table = self.tables[medium] = {}
+            self.order = tuple(sorted(self.tables.items(), key=lambda mt: medium_rank(mt[0])))
+        return table
+
+    def spread(self, mask: int) -> int:
+        """``mask`` with slot ``s``'s bit moved to bit ``s * _FIELD``.
+
+        Adding spread masks counts, in one big-int addition, how many times each slot
+        was set; memoised because a fleet produces few distinct masks.
+        """
+        out = self.spreads.get(mask)
+        if out is None:
+            out, m = 0, mask
+            while m:
+                low = m & -m
+                out |= 1 << ((low.bit_length() - 1) * _FIELD)
+                m ^= low
+            if len(self.spreads) > 4096:
+                self.spreads.clear()
+            self.spreads[mask] = out
+        return out
+
+
+class MemoryIndex:
+    """The in-process index: per model and medium, one ``dict[int, int]`` key -> worker bitmask.
+
+    Why this shape: a lookup is one ``dict.get`` and two int operations per block and
+    stops when the last worker drops out, and one table serves every worker (no
+    per-(block, worker) Python object). Writes hold a lock (``apply`` on the subscriber
+    thread may race ``clear`` from a purge); lookups take none: they only ``get`` from
+    dicts and read snapshot tuples, which a concurrent write cannot make raise. A
+    lookup may see a batch half-applied, which is no worse than seeing it a moment
+    later.
+    """
+
+    def __init__(self) -> None:
+        self._models: dict[str, _ModelIndex] = {}
+        self._lock = threading.Lock()
+
+    def _model(self, model: str) -> _ModelIndex:
+        mi = self._models.get(model)
+        if mi is None:
+            mi = self._models[model] = _ModelIndex()
+        return mi
+
+    def apply(self, model: str, worker: Worker, batch: EventBatch) -> None:
+        for op in batch_ops(batch):
+            if op.kind == "store":
+                self.store(model, worker, op.keys, op.medium)
+            elif op.kind == "remove":
+                self.remove(model, worker, op.keys, op.medium)
+            else:
+                self.clear(model, worker)
+
+    def store(self, model: str, worker: Worker, keys: Sequence[int], medium: str | None = DEFAULT_MEDIUM) -> None:
+        validate_keys(keys)
+        medium = medium or DEFAULT_MEDIUM
+        with self._lock:
+            mi = self._model(model)
+            slot = mi.slot(worker)
+            bit = 1 << slot
+            table = mi.table(medium)
+            get = table.get
+            logkey = (slot, medium)
+            log_ = mi.logs.get(logkey)
+            if log_ is None:
+                log_ = mi.logs[logkey] = array("Q")
+            append = log_.append
+            added = 0
+            for k in keys:
+                m = get(k, 0)
+                if not m & bit:
+                    table[k] = m | bit
+                    append(k)
+                    added += 1
+            mi.counts[logkey] = count = mi.counts.get(logkey, 0) + added
+            if len(log_) > 2 * count + 4096:
+                mi.logs[logkey] = array("Q", [k for k in dict.fromkeys(log_) if get(k, 0) & bit])
+
+    def remove(self, model: str, worker: Worker, keys: Sequence[int], medium: str | None = DEFAULT_MEDIUM) -> None:
+        validate_keys(keys)
+        medium = medium or DEFAULT_MEDIUM
+        with self._lock:
+            mi = self._models.get(model)
+            if mi is None:
+                return
+            slot = mi.slots.get(worker)
+            table = mi.tables.get(medium)
+            if slot is None or table is None:
+                return
+            logkey = (slot, medium)
+            mi.counts[logkey] = mi.counts.get(logkey, 0) - _drop(table, 1 << slot, keys)
+
+    def clear(self, model: str, worker: Worker) -> None:
+        with self._lock:
+            mi = self._models.get(model)
+            slot = mi.slots.get(worker) if mi is not None else None
+            if mi is None or slot is None:
+                return
+            for medium, table in mi.tables.items():
+                logkey = (slot, medium)
+                log_ = mi.logs.pop(logkey, None)
+                if log_ is not None:
+                    _drop(table, 1 << slot, log_)
+                mi.counts.pop(logkey, None)
+
+    async def lookup(self, model: str, keys: Sequence[int]) -> Hits:
+        mi = self._models.get(model)
+        if mi is None or not keys:
+            return {}
+        order = mi.order
+        if len(order) == 1:
+            return _match_one(mi.workers, order[0][0], order[0][1], keys)
+        return _match_tiers(mi, order, keys)
+
+    def block_counts(self, model: str) -> dict[Worker, int]:
+        with self._lock:
+            mi = self._models.get(model)
+            if mi is None:
+                return {}
+            out: dict[Worker, int] = {}
+            for (slot, _), n in mi.counts.items():
+                if n:
+                    w = mi.workers[slot]
+                    out[w] = out.get(w, 0) + n
+            return out
+
+    def memory_bytes(self) -> int:
+        """Accounted bytes: dict tables, key objects, mask objects and per-worker logs.
+
+        Exact for the containers (``sys.getsizeof``); each key object is counted at 36
+        bytes (an int >= 2**60, which 15/16 of random 64-bit keys are) and each mask at
+        32 bytes unless the model has at most 9 workers, whose masks (< 512, most
+        <= 256) are mostly CPython's shared small ints. ``benchmarks/bench_index.py``
+        compares this figure with tracemalloc.
+        """
+        total = sys.getsizeof(self._models)
+        with self._lock:
+            for mi in self._models.values():
+                value_bytes = 0 if len(mi.workers) <= 9 else 32
+                for table in mi.tables.values():
+                    total += sys.getsizeof(table) + len(table) * (36 + value_bytes)
+                total += sum(sys.getsizeof(a) for a in mi.logs.values())
+        return total
+
+
+def _drop(table: dict[int, int], bit: int, keys: Sequence[int]) -> int:
+    """Clear ``bit`` from each key's mask (deleting keys left with none); the number cleared."""
+    get = table.get
+    dropped = 0
+    for k in keys:
+        m = get(k, 0)
+        if m & bit:
+            m ^= bit
+            if m:
+                table[k] = m
+            else:
+                del table[k]
+            dropped += 1
+    return dropped
+
+
+def _match_one(workers: tuple[Worker, ...], medium: str, table: dict[int, int], keys: Sequence[int]) -> Hits:
+    """Leading matches when the model has one medium: the hot path.
+
+    ``alive`` holds the slots that held every key so far; a slot leaves it at the first
+    key it lacks, and its match is that key's position.
+    """
+    get = table.get
+    alive = (1 << len(workers)) - 1
+    ends: list[tuple[int, int]] = []
+    for i, k in enumerate(keys):
+        held = get(k, 0) & alive
+        if held != alive:
+            ends.append((alive ^ held, i))
+            alive = held
+            if not alive:
+                break
+    else:
+        ends.append((alive, len(keys)))
+    hits: Hits = {}
+    for mask, n in ends:
+        if n:
+            while mask:
+                low = mask & -mask
+                hits[workers[low.bit_length() - 1]] = {medium: n}
+                mask ^= low
+    return hits
+
+
+def _match_tiers(mi: _ModelIndex, order: tuple[tuple[str, dict[int, int]], ...], keys: Sequence[int]) -> Hits:
+    """Leading matches over several media, each block attributed to its best tier.
+
+    A block counts for every slot still alive after it; tiers after the first add the
+    spread form of the slots they alone (among better tiers) hold to a per-tier counter,
+    and the first tier gets the rest of each slot's match.
+    """
+    workers = mi.workers
+    gets = [t.get for _, t in order]
+    lower = range(1, len(gets))
+    counters = [0] * len(gets)
+    alive = (1 << len(workers)) - 1
+    ends: list[tuple[int, int]] = []
+    for i, k in enumerate(keys):
+        masks = [g(k, 0) for g in gets]
+        held = 0
+        for m in masks:
+            held |= m
+        held &= alive
+        if held != alive:
+            ends.append((alive ^ held, i))
+            alive = held
+            if not alive:
+                break
+        covered = masks[0]
+        for j in lower:
+            only = masks[j] & alive & ~covered
+            if only:
+                counters[j] += mi.spread(only)
+            covered |= masks[j]
+    else:
+        ends.append((alive, len(keys)))
+    field = (1 << _FIELD) - 1
+    hits: Hits = {}
+    for mask, n in ends:
+        if not n:
+            continue
+        while mask:
+            low = mask & -mask
+            slot = low.bit_length() - 1
+            mask ^= low
+            per: dict[str, int] = {}
+            rest = n
+            for j in lower:
+                c = (counters[j] >> (slot * _FIELD)) & field
+                if c:
+                    per[order[j][0]] = c
+                    rest -= c
+            if rest:
+                per[order[0][0]] = rest
+            hits[workers[slot]] = dict(sorted(per.items(), key=lambda mc: medium_rank(mc[0])))
+    return hits
