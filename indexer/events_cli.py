@@ -41,18 +41,28 @@ _ARRAY_ANCHORS = ("0.11", "0.14", "0.22")
 
 def configure(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="events_command", metavar="SUBCOMMAND", required=True)
-    p = sub.add_parser("decode", help="decode KV-event payloads", description="Decode vLLM KV-event payloads: JSON lines for machines, tables for operators.")
+    p = sub.add_parser(
+        "decode",
+        help="decode KV-event payloads",
+        description="Decode vLLM KV-event payloads: JSON lines for machines, tables for operators.",
+    )
     mode = p.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--jsonl", action="store_true", help='stdin lines {"topic_hex","seq","payload_hex"} -> JSON lines')
+    mode.add_argument(
+        "--jsonl", action="store_true", help='stdin lines {"topic_hex","seq","payload_hex"} -> JSON lines'
+    )
     mode.add_argument("--hex", metavar="PAYLOAD", help="decode one msgpack payload given in hex")
-    mode.add_argument("--listen", metavar="ENDPOINT", help="subscribe to an engine's PUB socket, e.g. tcp://10.0.0.1:5557")
+    mode.add_argument(
+        "--listen", metavar="ENDPOINT", help="subscribe to an engine's PUB socket, e.g. tcp://10.0.0.1:5557"
+    )
     mode.add_argument("--replay", metavar="ENDPOINT", help="ask an engine's replay socket for buffered batches")
     p.add_argument(
         "--vllm-version",
         help="render the fields of this version (default: the line's vllm_version, else inferred from the payload)",
     )
     p.add_argument("--topic", default="", help="--listen: topic prefix to subscribe to (default: all)")
-    p.add_argument("--bind", action="store_true", help="--listen: bind ENDPOINT (for engines that connect to a collector)")
+    p.add_argument(
+        "--bind", action="store_true", help="--listen: bind ENDPOINT (for engines that connect to a collector)"
+    )
     p.add_argument("--count", type=int, default=0, help="--listen: stop after N messages (default: run until Ctrl-C)")
     p.add_argument("--start-seq", type=int, default=0, help="--replay: first seq to ask for (default 0)")
     p.add_argument("--timeout", type=float, default=5.0, help="--replay: seconds to wait for each reply")

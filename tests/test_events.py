@@ -170,7 +170,10 @@ def test_positional_events_decode_whatever_the_batch_header_looks_like():
 
 
 def test_unknown_event_type_is_kept_and_others_still_decode():
-    events = [{"type": "BlockMoved", "block_hashes": [1]}, {"type": "BlockRemoved", "block_hashes": [7], "medium": "GPU"}]
+    events = [
+        {"type": "BlockMoved", "block_hashes": [1]},
+        {"type": "BlockRemoved", "block_hashes": [7], "medium": "GPU"},
+    ]
     batch = decode_batch(_batch_payload(events))
     assert batch.events == [UnknownEvent("BlockMoved"), BlockRemoved(block_hashes=[7], medium="GPU")]
     assert to_expected_json(batch)["events"][0] == {"type": "BlockMoved"}
@@ -238,7 +241,8 @@ def test_replay_exchange_matches_golden_frames(replay):
 
 
 def test_malformed_replay_messages_raise_event_decode_error():
-    for frames in ([b"x", b"\x00" * 8, b""], [b"", b"\x00" * 8], [b"", b"\x01", b"p"], [b"", b"t", b"s", b"\x00" * 8, b"p"]):
+    bad = ([b"x", b"\x00" * 8, b""], [b"", b"\x00" * 8], [b"", b"\x01", b"p"], [b"", b"t", b"s", b"\x00" * 8, b"p"])
+    for frames in bad:
         with pytest.raises(EventDecodeError):
             parse_replay_reply(frames)
     with pytest.raises(EventDecodeError):
@@ -297,8 +301,8 @@ def test_cli_listen_decodes_a_live_pub_socket():
     pub = ctx.socket(zmq.PUB)
     pub.setsockopt(zmq.LINGER, 0)
     pub.bind(f"tcp://127.0.0.1:{port}")
-    proc = subprocess.Popen([*KVROUTER, "events", "decode", "--listen", f"tcp://127.0.0.1:{port}", "--count", "3"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    args = [*KVROUTER, "events", "decode", "--listen", f"tcp://127.0.0.1:{port}", "--count", "3"]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
     try:
         payload = bytes.fromhex(_golden("0.28.0", "stored_lora_cpu_allfields")["payload_hex"])
         deadline = time.monotonic() + 30

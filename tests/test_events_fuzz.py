@@ -101,7 +101,8 @@ def _value(rng: random.Random, depth: int = 0) -> object:
         return rng.randrange(256)
     if kind in (7, 8):
         return [_value(rng, depth + 1) for _ in range(rng.randint(0, 4))]
-    return {rng.choice(["type", "block_hashes", "medium", "x", "1"]): _value(rng, depth + 1) for _ in range(rng.randint(0, 4))}
+    keys = ["type", "block_hashes", "medium", "x", "1"]
+    return {rng.choice(keys): _value(rng, depth + 1) for _ in range(rng.randint(0, 4))}
 
 
 def _field_value(rng: random.Random, name: str) -> object:
@@ -138,7 +139,8 @@ def _event(rng: random.Random) -> object:
 def _batch(rng: random.Random) -> bytes:
     events = [_event(rng) for _ in range(rng.randint(0, 4))]
     head = [rng.choice([1717171717.5, 0, "ts", None]), events, rng.choice([0, 1, None, "r"])]
-    return msgspec.msgpack.encode(head[: rng.choice([1, 2, 3, 3, 3])] + ([_value(rng, 2)] if rng.random() < 0.1 else []))
+    tail = [_value(rng, 2)] if rng.random() < 0.1 else []
+    return msgspec.msgpack.encode(head[: rng.choice([1, 2, 3, 3, 3])] + tail)
 
 
 def test_100k_random_and_mutated_payloads_raise_only_event_decode_error():
@@ -170,7 +172,12 @@ msgpack_values = st.recursive(
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
-@given(ts=msgpack_values, events=st.lists(msgpack_values, max_size=5), rank=msgpack_values, tail=st.lists(msgpack_values, max_size=2))
+@given(
+    ts=msgpack_values,
+    events=st.lists(msgpack_values, max_size=5),
+    rank=msgpack_values,
+    tail=st.lists(msgpack_values, max_size=2),
+)
 def test_hypothesis_batches_of_arbitrary_structures_raise_only_event_decode_error(ts, events, rank, tail):
     _check(msgspec.msgpack.encode([ts, events, rank, *tail]))
 
