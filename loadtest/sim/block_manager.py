@@ -1,0 +1,272 @@
+"""vLLM's prefix-cache block pool, rebuilt without the GPU.
+
+Modelled on vLLM v1 ``core/block_pool.py`` and ``core/kv_cache_manager.py`` (one
+full-attention KV-cache group), because routing quality depends on exactly which blocks
+an engine still holds:
+
+* The pool has ``num_blocks`` blocks; block 0 is vLLM's *null block*, taken out at start,
+  so ``num_blocks - 1`` are usable (as on a real engine).
+* A block is cached once it is full: its hash chains its parent's, so a hit is always a
+  prefix, found by walking the request's hashes left to right and stopping at the first
+  miss. The walk never covers the whole prompt: at most ``num_tokens - 1`` tokens are
+  reused, so the last token is always recomputed (VLLM_FACTS §2).
+* Blocks are reference counted. A block whose count drops to 0 goes to the tail of an
+  LRU free queue but stays cached; a request frees its blocks tail first, so a chain's
+  tail is evicted before its head. Allocation pops the queue head and, if that block
+  was cached, evicts it (one ``BlockRemoved`` per block, like vLLM).
+* Blocks are cached when they are *scheduled* (``allocate_slots``), not when computed,
+  exactly as vLLM does, and that includes blocks filled by generated tokens.
+* Duplicates are kept like vLLM: two requests that computed the same block at the same
+  time each cache their own copy (and each emit ``BlockStored``); a lookup returns the
+  first. :meth:`BlockPool.cached_hashes` is the set of distinct hashes held.
+
+Events are recorded as plain records (digests as ``bytes``) and turned into a given vLLM
+version's wire form by :mod:`loadtest.sim.publisher`.
+
+There is no preemption: the scheduler (:mod:`loadtest.sim.engine`) admits a request
+only when its whole lifetime fits (see :meth:`BlockManager.can_admit`), so a running
+request's later allocations always succeed.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class Block:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: bytes | None = None
+
+
+@dataclass(slots=True)
+class StoredRecord:
+    """``BlockStored``: new full blocks in chain order, ``parent`` the hash before the first."""
+
+    block_hashes: list[bytes]
+    parent: bytes | None
+    token_ids: list[int]
+    lora_id: int | None
+    lora_name: str | None
+    extra_keys: list[Any]
+
+
+@dataclass(slots=True)
+class RemovedRecord:
+    block_hash: bytes
+
+
+@dataclass(slots=True)
+class ClearedRecord:
+    pass
+
+
+CacheRecord = StoredRecord | RemovedRecord | ClearedRecord
+
+
+@dataclass(slots=True)
+class CacheRequest:
+    """What the block manager needs from a request.
+
+    Invariant: ``block_hashes[i]`` (and ``block_extra_keys[i]``, the untagged event form)
+    describe block i of ``all_token_ids`` for every *full* block; the engine extends
+    them as generated tokens fill blocks.
+    """
+
+    request_id: str
+    all_token_ids: list[int]
+    block_hashes: list[bytes] = field(default_factory=list)
+    block_extra_keys: list[Any] = field(default_factory=list)
+    lora_id: int | None = None
+    lora_name: str | None = None
+
+
+class BlockPool:
+    """Blocks, the LRU free queue and the hash -> block map (vLLM's ``BlockPool``)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 2:
+            raise ValueError("num_blocks must be at least 2 (block 0 is the null block)")
+        self.num_blocks = num_blocks
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # OrderedDict: O(1) pop of the LRU head, append at the tail and removal of a
+        # touched block from the middle (vLLM uses a doubly linked list for the same).
+        self.free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.cached: dict[bytes, dict[int, Block]] = {}
+        self.null_block = self.free.popitem(last=False)[1]
+        self.events: list[CacheRecord] = []
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    def usage(self) -> float:
+        """``vllm:kv_cache_usage_perc``: 1 - free/total, the null block excluded (vLLM's get_usage)."""
+        total = self.num_blocks - 1
+        return 1.0 - self.num_free_blocks / total if total else 0.0
+
+    def get_cached_block(self, block_hash: bytes) -> Block | None:
+        hit = self.cached.get(block_hash)
+        return next(iter(hit.values())) if hit else None
+
+    def cached_hashes(self) -> list[bytes]:
+        return list(self.cached)
+
+    def num_duplicates(self) -> int:
+        """Extra copies of cached hashes (an index with set semantics loses these on eviction)."""
+        return sum(len(copies) - 1 for copies in self.cached.values())
+
+    def get_new_blocks(self, n: int) -> list[Block]:
+        if n > len(self.free):
+            raise ValueError(f"cannot get {n} free blocks from the pool ({len(self.free)} free)")
+        out = []
+        for _ in range(n):
+            block = self.free.popitem(last=False)[1]
+            self._maybe_evict(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def _maybe_evict(self, block: Block) -> None:
+        h = block.block_hash
+        if h is None:
+            return
+        copies = self.cached.get(h)
+        if copies is not None and copies.pop(block.block_id, None) is not None:
+            if not copies:
+                del self.cached[h]
+            self.events.append(RemovedRecord(h))
+        block.block_hash = None
+
+    def touch(self, blocks: list[Block]) -> None:
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self.free[block.block_id]
+            block.ref_cnt += 1
+
+    def free_blocks(self, ordered: list[Block]) -> None:
+        """Release ``ordered`` (first = evicted first) to the free queue's tail."""
+        for block in ordered:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free[block.block_id] = block
+
+    def cache_full_blocks(self, req: CacheRequest, blocks: list[Block], num_cached: int, num_full: int, block_size: int) -> None:
+        if num_full <= num_cached:
+            return
+        parent = blocks[num_cached - 1].block_hash if num_cached else None
+        new_hashes = req.block_hashes[num_cached:num_full]
+        for block, h in zip(blocks[num_cached:num_full], new_hashes):
+            block.block_hash = h
+            self.cached.setdefault(h, {})[block.block_id] = block
+        self.events.append(
+            StoredRecord(
+                block_hashes=list(new_hashes),
+                parent=parent,
+                token_ids=req.all_token_ids[num_cached * block_size : num_full * block_size],
+                lora_id=req.lora_id,
+                lora_name=req.lora_name,
+                extra_keys=req.block_extra_keys[num_cached:num_full],
+            )
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached hash; refused (False) while any request holds blocks, like vLLM."""
+        if self.num_blocks - self.num_free_blocks != 1:
+            return False
+        self.cached.clear()
+        for block in self.blocks:
+            block.block_hash = None
+        self.events.append(ClearedRecord())
+        return True
+
+    def take_events(self) -> list[CacheRecord]:
+        events, self.events = self.events, []
+        return events
+
+
+@dataclass(slots=True)
+class _ReqState:
+    blocks: list[Block] = field(default_factory=list)
+    num_cached_blocks: int = 0
+    reserved_left: int = 0
+
+
+class BlockManager:
+    """Per-request prefix hits, allocation and freeing over one :class:`BlockPool`.
+
+    Follows vLLM's ``KVCacheManager``: :meth:`get_computed_blocks` finds the hit,
+    :meth:`allocate_slots` touches the hit blocks, allocates the new ones and caches
+    every block whose tokens are all known, :meth:`free` releases tail first.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks)
+        self._reqs: dict[str, _ReqState] = {}
+        self.reserved = 0
+        """Blocks promised to running requests but not yet allocated (see :meth:`can_admit`)."""
+
+    def get_computed_blocks(self, req: CacheRequest) -> tuple[list[Block], int]:
+        """Leading cached blocks of ``req`` and the tokens they cover (never all of them)."""
+        max_blocks = (len(req.all_token_ids) - 1) // self.block_size
+        hits: list[Block] = []
+        for h in req.block_hashes[:max_blocks]:
+            block = self.pool.get_cached_block(h)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def blocks_needed(self, num_tokens: int, num_hit_blocks: int) -> int:
+        return -(-num_tokens // self.block_size) - num_hit_blocks
+
+    def can_admit(self, hits: list[Block], lifetime_blocks: int) -> bool:
+        """Whether a request needing ``lifetime_blocks`` new blocks over its whole life fits.
+
+        Hits that sit in the free queue stop being free once touched, and blocks
+        already promised to running requests are not available. This replaces vLLM's
+        preemption: admission waits instead, and no running request ever stalls.
+        """
+        evictable_hits = sum(1 for b in hits if b.ref_cnt == 0)
+        return lifetime_blocks <= self.pool.num_free_blocks - evictable_hits - self.reserved
+
+    def admit(self, req: CacheRequest, hits: list[Block], lifetime_blocks: int) -> None:
+        self.pool.touch(hits)
+        self._reqs[req.request_id] = _ReqState(list(hits), len(hits), lifetime_blocks)
+        self.reserved += lifetime_blocks
+
+    def allocate_slots(self, req: CacheRequest, num_computed_tokens: int, num_new_tokens: int) -> int:
+        """Give ``req`` room for ``num_new_tokens`` more tokens and cache its full blocks.
+
+        Returns the number of blocks the request now holds (the KV blocks the step reads).
+        """
+        state = self._reqs[req.request_id]
+        required = -(-(num_computed_tokens + num_new_tokens) // self.block_size)
+        n_new = required - len(state.blocks)
+        if n_new > 0:
+            state.blocks.extend(self.pool.get_new_blocks(n_new))
+            used = min(n_new, state.reserved_left)
+            state.reserved_left -= used
+            self.reserved -= used
+        num_full = min(num_computed_tokens + num_new_tokens, len(req.all_token_ids)) // self.block_size
+        self.pool.cache_full_blocks(req, state.blocks, state.num_cached_blocks, num_full, self.block_size)
+        state.num_cached_blocks = max(state.num_cached_blocks, num_full)
+        return len(state.blocks)
+
+    def free(self, req: CacheRequest) -> None:
+        """Release ``req``'s blocks, tail first, and what it had reserved but not used."""
+        state = self._reqs.pop(req.request_id, None)
+        if state is not None:
+            self.pool.free_blocks(state.blocks[::-1])
+            self.reserved -= state.reserved_left
+
+    def num_blocks_of(self, request_id: str) -> int:
+        state = self._reqs.get(request_id)
+        return len(state.blocks) if state else 0
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()
