@@ -23,7 +23,8 @@ Semantics common to both:
 * Keys are ints in ``0 .. 2**64-1``. ``store``/``remove`` reject anything else with
   :class:`InvalidKey` before changing anything (``apply`` cannot meet one: the event's
   hashes go through :func:`indexer.events.to_keys`, which maps ints and digests into
-  that range). ``lookup`` does not check: a key that cannot be stored never matches.
+  that range). ``lookup`` does not check its keys (they come from the router's own
+  hasher); an int outside the range cannot have been stored, so matching stops there.
 * ``medium=None`` means GPU (older engines send no medium).
 * ``block_counts`` counts (block, medium) entries per worker; a worker holding nothing
   is absent.

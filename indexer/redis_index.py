@@ -130,6 +130,16 @@ def _members(keys: Sequence[int]) -> list[bytes]:
     return [packed[i : i + 8] for i in range(0, len(packed), 8)]
 
 
+def _valid_prefix(keys: Sequence[int]) -> bytes:
+    """The packed keys before the first that cannot be a key: no worker holds it, so no match goes past it."""
+    out = bytearray()
+    for k in keys:
+        if type(k) is not int or not 0 <= k < 1 << 64:
+            break
+        out += k.to_bytes(8, "big")
+    return bytes(out)
+
+
 class RedisIndex:
     """:class:`indexer.index.Index` on a Redis (>= 7) or Valkey server at ``url``.
 
@@ -222,10 +232,12 @@ class RedisIndex:
             self._aredis = aredis.Redis.from_url(self._url)
             self._lookup_script = self._aredis.register_script(_LOOKUP)
             self._loop = loop
+        try:
+            blob = struct.pack(f">{len(keys)}Q", *keys)
+        except (struct.error, TypeError):
+            blob = _valid_prefix(keys)
         prefix = self._prefix(model)
-        flat = await self._lookup_script(  # type: ignore[operator]
-            keys=[prefix + "reg"], args=[prefix, struct.pack(f">{len(keys)}Q", *keys)]
-        )
+        flat = await self._lookup_script(keys=[prefix + "reg"], args=[prefix, blob])  # type: ignore[operator]
         hits: Hits = {}
         for i in range(0, len(flat), 3):
             backend, rank = json.loads(flat[i])
