@@ -1,0 +1,786 @@
+"""Live KV-event ingestion: one ZMQ SUB per engine (and DP rank) feeding an :class:`Index`.
+
+Every stream is a sequence of batches numbered 0, 1, 2, ... by the engine's publisher
+(``shared/VLLM_FACTS.md`` §3). The index is only right if it applied *every* batch of the
+current publisher incarnation in order, so each stream is tracked like this:
+
+* ``seq == expected``: apply and advance.
+* ``seq > expected`` (PUB dropped messages): ask the engine's replay socket for
+  everything from ``expected - 1`` on. The first message of the answer is the *anchor*:
+  the batch we applied last. Its bytes must equal what we applied; otherwise the engine
+  restarted under us. Live messages that arrive meanwhile are buffered and merged with
+  the replay by seq, so batches are applied exactly once and in order.
+* A hole the replay cannot fill (the engine's buffer moved past it) means history is
+  gone: the worker's entries are cleared, the loss is counted, and the stream continues
+  from the next batch it holds. Applying a suffix of history to an empty worker only
+  ever gives a *subset* of the engine's cache, so the index may miss blocks but never
+  claims blocks the engine does not hold.
+* ``seq < expected`` that is not a duplicate of a batch already applied (replays and
+  live copies overlap) means a new publisher process: the worker is cleared and the
+  stream re-synchronised from seq 0 by replay.
+* ``AllBlocksCleared`` clears the worker (the index does that when it applies the batch).
+
+When a stream connects and nothing is known about it yet, a replay from seq 0 loads
+whatever history the engine still buffers, so a restarted router starts warm.
+
+An idle engine publishes nothing, so silence is not death, and a message lost at the end
+of a burst would otherwise stay unnoticed until the next burst. Two mechanisms cover this:
+
+* a *tail probe*: after ``tail_probe_s`` of silence on a connected stream, an anchored
+  replay asks for anything newer than the last applied batch (the engine answers with
+  the anchor and the end marker when nothing is new; a restarted engine is detected);
+* *death* is a transport fact, not a silence: a stream whose TCP connection has been down
+  for ``dead_grace_s`` (seen through a ZMQ socket monitor) is purged, and so is a worker
+  the router declares dead through :meth:`FleetSubscriber.mark_dead` (its health checks
+  failed). A purged worker that comes back is re-synchronised from seq 0.
+
+ZMQ reconnects by itself with exponential backoff (``RECONNECT_IVL`` doubling up to
+``RECONNECT_IVL_MAX``); when a connection comes back, an anchored replay checks whether it
+is the same publisher before trusting the next seq.
+
+Everything runs on one background thread that owns every socket; other threads talk to
+it through a command queue, so routing never waits on ingestion. Malformed messages are
+counted (``kvrouter_kv_events_malformed_total``), logged and skipped; nothing a peer sends
+can stop the thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+import zmq
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from zmq.utils.monitor import recv_monitor_message
+
+from indexer.events import (
+    EventBatch,
+    EventDecodeError,
+    build_replay_request,
+    decode_batch,
+    parse_pub_frames,
+    parse_replay_reply,
+)
+from indexer.index import Index, Worker
+
+if TYPE_CHECKING:
+    from indexer.verify import HashVerifier
+
+__all__ = ["FleetSubscriber", "StreamSpec", "StreamStats", "specs_from_config", "offset_endpoint"]
+
+log = logging.getLogger(__name__)
+
+_RECENT_MAX = 4096
+"""Applied batches remembered (seq -> hash of payload) to tell duplicates from restarts."""
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    """One engine publisher to follow: which worker its events describe and where it is."""
+
+    model: str
+    worker: Worker
+    endpoint: str
+    replay_endpoint: str | None
+    topic: str = ""
+    vllm_version: str = "0.33.0"
+
+
+@dataclass
+class StreamStats:
+    """What the router shows in ``/debug/backends`` for one event stream.
+
+    ``last_seq`` is the last batch applied (``None`` before the first). ``gaps`` counts
+    detected holes, ``replays`` replay requests made for gaps and re-syncs, ``lost`` holes
+    no replay could fill, ``restarts`` publisher restarts, ``purges`` clears because the
+    worker was dead or removed. ``rehash_mode`` is true while the index holds
+    router-computed hashes for this worker because the engine's did not verify.
+    """
+
+    connected: bool = False
+    last_seq: int | None = None
+    gaps: int = 0
+    replays: int = 0
+    probes: int = 0
+    lost: int = 0
+    restarts: int = 0
+    purges: int = 0
+    malformed: int = 0
+    index_errors: int = 0
+    batches: int = 0
+    events: int = 0
+    blocks: int = 0
+    verify_match: int = 0
+    verify_mismatch: int = 0
+    verify_unverifiable: int = 0
+    rehash_mode: bool = False
+    rehash_reason: str | None = None
+    dead: bool = False
+    last_event_age_s: float | None = None
+
+
+def offset_endpoint(endpoint: str, rank: int) -> str:
+    """``endpoint`` with its TCP port moved by ``rank``, as vLLM does for DP rank ``rank``."""
+    if rank == 0:
+        return endpoint
+    if not endpoint.startswith("tcp://"):
+        raise ValueError(f"data-parallel ranks need tcp:// endpoints (port + rank), got {endpoint!r}")
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"endpoint has no port: {endpoint!r}")
+    return f"{host}:{int(port) + rank}"
+
+
+def _check_connectable(endpoint: str, what: str) -> str:
+    if endpoint.startswith("tcp://") and ("*" in endpoint or endpoint.startswith("tcp://0.0.0.0")):
+        raise ValueError(
+            f"{what} {endpoint!r} is the engine's bind address; the router connects, so give the "
+            "engine's host (e.g. tcp://10.0.0.5:5557)"
+        )
+    return endpoint
+
+
+def specs_from_config(config: Any) -> list[StreamSpec]:
+    """One :class:`StreamSpec` per (backend, DP rank) of every model whose backend has ``kv_events``.
+
+    DP rank ``r`` publishes on the ``kv_events`` port + r and replays on ``kv_replay`` + r.
+    Raises ``ValueError`` for an endpoint the router cannot connect to.
+    """
+    specs: list[StreamSpec] = []
+    for model in config.models:
+        for backend in model.backends:
+            if backend.kv_events is None:
+                continue
+            events = _check_connectable(backend.kv_events, f"backend {backend.name} kv_events")
+            replay = backend.kv_replay and _check_connectable(backend.kv_replay, f"backend {backend.name} kv_replay")
+            for rank in range(backend.data_parallel_size):
+                specs.append(
+                    StreamSpec(
+                        model=model.name,
+                        worker=Worker(backend.name, rank),
+                        endpoint=offset_endpoint(events, rank),
+                        replay_endpoint=offset_endpoint(replay, rank) if replay else None,
+                        vllm_version=model.vllm_version,
+                    )
+                )
+    return specs
+
+
+class _Metrics:
+    """The subscriber's Prometheus series, labelled by backend and DP rank."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        labels = ["backend", "dp_rank"]
+        self.events = Counter("kvrouter_kv_events", "KV events applied, by type", labels + ["type"], registry=registry)
+        self.batches = Counter("kvrouter_kv_event_batches", "KV event batches applied", labels, registry=registry)
+        self.malformed = Counter(
+            "kvrouter_kv_events_malformed", "KV event messages that could not be decoded (skipped)", labels,
+            registry=registry,
+        )
+        self.gaps = Counter("kvrouter_kv_event_gaps", "Holes detected in a stream's seq", labels, registry=registry)
+        self.replays = Counter("kvrouter_kv_event_replays", "Replay requests for gaps and re-syncs", labels, registry=registry)
+        self.lost = Counter(
+            "kvrouter_kv_event_history_lost", "Holes no replay could fill (worker cleared)", labels, registry=registry
+        )
+        self.restarts = Counter(
+            "kvrouter_kv_event_publisher_restarts", "Engine publisher restarts detected (worker cleared)", labels,
+            registry=registry,
+        )
+        self.purges = Counter(
+            "kvrouter_kv_event_worker_purges", "Workers purged from the index (dead or removed)", labels,
+            registry=registry,
+        )
+        self.index_errors = Counter(
+            "kvrouter_kv_event_index_errors", "Index writes that failed (worker re-synchronised)", labels,
+            registry=registry,
+        )
+        self.verify = Counter(
+            "kvrouter_kv_hash_verify", "Engine block hashes checked against the router's", labels + ["result"],
+            registry=registry,
+        )
+        self.rehash = Gauge(
+            "kvrouter_kv_rehash_mode", "1 while the worker is indexed with router-computed hashes", labels,
+            registry=registry,
+        )
+        self.connected = Gauge("kvrouter_kv_stream_connected", "1 while the event stream is connected", labels, registry=registry)
+
+
+@dataclass
+class _Replay:
+    """A replay in flight. ``anchor_hash`` is the hash of the payload applied at ``start``
+    (``None`` for a re-sync from 0, which has no anchor); ``msgs`` merges the reply with the
+    live messages that arrived meanwhile."""
+
+    start: int
+    anchor_hash: int | None
+    deadline: float
+    reason: str
+    msgs: dict[int, bytes] = field(default_factory=dict)
+    replied_min: int | None = None
+
+
+class _Stream:
+    def __init__(self, spec: StreamSpec, labels: tuple[str, str]) -> None:
+        self.spec = spec
+        self.labels = labels
+        self.stats = StreamStats()
+        self.sub: zmq.Socket | None = None
+        self.monitor: zmq.Socket | None = None
+        self.dealer: zmq.Socket | None = None
+        self.expected: int | None = None
+        self.recent: dict[int, int] = {}
+        self.replay: _Replay | None = None
+        self.last_msg: float | None = None
+        self.last_probe: float = time.monotonic()
+        self.was_connected = False
+        self.disconnected_since: float | None = None
+        self.resync_at: float | None = None
+
+
+class FleetSubscriber:
+    """Follows every engine's KV-event stream and keeps ``index`` equal to their caches.
+
+    ``verifiers`` (by model name) check the engines' block hashes and may switch a worker
+    to re-hash mode (see :mod:`indexer.verify`). Thread-safety: :meth:`start`,
+    :meth:`stop`, :meth:`update_specs`, :meth:`mark_dead` and :meth:`stats` may be called
+    from any thread; the sockets and the index writes belong to the subscriber thread.
+    """
+
+    def __init__(
+        self,
+        index: Index,
+        specs: list[StreamSpec],
+        *,
+        verifiers: dict[str, HashVerifier] | None = None,
+        dead_grace_s: float = 30.0,
+        metrics_registry: CollectorRegistry | None = None,
+        replay_timeout_s: float = 5.0,
+        tail_probe_s: float = 10.0,
+        reconnect_ivl_s: float = 0.1,
+        reconnect_ivl_max_s: float = 5.0,
+        poll_interval_s: float = 0.05,
+    ) -> None:
+        self._index = index
+        self._specs = _unique(specs)
+        self._verifiers = dict(verifiers or {})
+        self._dead_grace_s = dead_grace_s
+        self._replay_timeout_s = replay_timeout_s
+        self._tail_probe_s = tail_probe_s
+        self._reconnect_ivl_ms = max(1, int(reconnect_ivl_s * 1000))
+        self._reconnect_ivl_max_ms = max(self._reconnect_ivl_ms, int(reconnect_ivl_max_s * 1000))
+        self._poll_ms = max(1, int(poll_interval_s * 1000))
+        self._metrics = _Metrics(metrics_registry if metrics_registry is not None else CollectorRegistry())
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._streams: dict[Worker, _Stream] = {}
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._ctx: zmq.Context | None = None
+        self._sockets_changed = True
+
+    # -- public API (any thread) ----------------------------------------------------------
+
+    def start(self) -> None:
+        """Connect to every stream and start ingesting on a background thread."""
+        if self._thread is not None:
+            raise RuntimeError("FleetSubscriber already started")
+        self._ctx = zmq.Context()
+        self._stopping.clear()
+        self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop the thread and close every socket; returns within about ``timeout`` seconds."""
+        thread = self._thread
+        if thread is None:
+            return
+        self._stopping.set()
+        thread.join(timeout)
+        if thread.is_alive():
+            log.error("kv-events thread did not stop within %.1fs", timeout)
+        self._thread = None
+        if self._ctx is not None:
+            self._ctx.term() if not thread.is_alive() else self._ctx.destroy(linger=0)
+            self._ctx = None
+
+    def update_specs(self, specs: Iterable[StreamSpec]) -> None:
+        """Follow exactly ``specs`` from now on; a worker no longer listed is purged from the index."""
+        new = _unique(list(specs))
+        if self._thread is None:
+            self._specs = new
+            return
+        self._commands.put(lambda: self._reconcile(new))
+
+    def mark_dead(self, worker: Worker) -> None:
+        """The router judged ``worker`` dead (health checks failed past its grace): purge it.
+
+        Its entries leave the index at once; if the engine comes back, the stream is
+        re-synchronised from seq 0.
+        """
+        if self._thread is None:
+            return
+        self._commands.put(lambda: self._purge_worker(worker, "marked dead"))
+
+    def stats(self) -> dict[Worker, StreamStats]:
+        """A snapshot of every followed stream's counters and state."""
+        now = time.monotonic()
+        with self._lock:
+            streams = list(self._streams.values())
+        counts: dict[str, dict[Worker, int]] = {}
+        out: dict[Worker, StreamStats] = {}
+        for st in streams:
+            model = st.spec.model
+            if model not in counts:
+                try:
+                    counts[model] = dict(self._index.block_counts(model))
+                except Exception:
+                    log.warning("block_counts(%s) failed", model, exc_info=True)
+                    counts[model] = {}
+            snap = replace(st.stats)
+            snap.blocks = counts[model].get(st.spec.worker, 0)
+            snap.last_event_age_s = None if st.last_msg is None else round(now - st.last_msg, 3)
+            out[st.spec.worker] = snap
+        return out
+
+    # -- the subscriber thread --------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self._reconcile(self._specs)
+            poller: zmq.Poller | None = None
+            while not self._stopping.is_set():
+                self._drain_commands()
+                if poller is None or self._sockets_changed:
+                    poller = self._poller()
+                try:
+                    ready = dict(poller.poll(self._poll_ms))
+                except zmq.ZMQError as e:
+                    log.warning("poll failed: %s", e)
+                    ready = {}
+                for st in list(self._streams.values()):
+                    if st.monitor is not None and st.monitor in ready:
+                        self._on_monitor(st)
+                    if st.sub is not None and st.sub in ready:
+                        self._on_sub(st)
+                    if st.dealer is not None and st.dealer in ready:
+                        self._on_dealer(st)
+                self._tick(time.monotonic())
+        except Exception:
+            log.exception("kv-events thread crashed")
+        finally:
+            for st in list(self._streams.values()):
+                self._close(st)
+
+    def _poller(self) -> zmq.Poller:
+        self._sockets_changed = False
+        poller = zmq.Poller()
+        for st in self._streams.values():
+            for sock in (st.sub, st.monitor, st.dealer):
+                if sock is not None:
+                    poller.register(sock, zmq.POLLIN)
+        return poller
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            cmd()
+
+    def _reconcile(self, specs: list[StreamSpec]) -> None:
+        self._specs = specs
+        wanted = {s.worker: s for s in specs}
+        for worker, st in list(self._streams.items()):
+            spec = wanted.get(worker)
+            if spec == st.spec:
+                continue
+            self._purge_worker(worker, "removed from config" if spec is None else "endpoint changed")
+            self._close(st)
+            with self._lock:
+                del self._streams[worker]
+            self._zero_gauges(st)
+        for worker, spec in wanted.items():
+            if worker not in self._streams:
+                st = _Stream(spec, (worker.backend, str(worker.dp_rank)))
+                self._open(st)
+                with self._lock:
+                    self._streams[worker] = st
+
+    def _open(self, st: _Stream) -> None:
+        assert self._ctx is not None
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RECONNECT_IVL, self._reconnect_ivl_ms)
+        sub.setsockopt(zmq.RECONNECT_IVL_MAX, self._reconnect_ivl_max_ms)
+        sub.setsockopt(zmq.RCVHWM, 100_000)
+        sub.setsockopt(zmq.SUBSCRIBE, st.spec.topic.encode())
+        st.monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        sub.connect(st.spec.endpoint)
+        st.sub = sub
+        self._sockets_changed = True
+        self._metrics.rehash.labels(*st.labels).set(0)
+        self._metrics.connected.labels(*st.labels).set(0)
+
+    def _close(self, st: _Stream) -> None:
+        self._sockets_changed = True
+        if st.sub is not None:
+            try:
+                st.sub.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            st.sub.close(linger=0)
+            st.sub = None
+        if st.monitor is not None:
+            st.monitor.close(linger=0)
+            st.monitor = None
+        self._close_dealer(st)
+
+    def _close_dealer(self, st: _Stream) -> None:
+        if st.dealer is not None:
+            self._sockets_changed = True
+            st.dealer.close(linger=0)
+            st.dealer = None
+
+    def _zero_gauges(self, st: _Stream) -> None:
+        self._metrics.connected.labels(*st.labels).set(0)
+        self._metrics.rehash.labels(*st.labels).set(0)
+
+    # -- socket events -------------------------------------------------------------------------
+
+    def _on_monitor(self, st: _Stream) -> None:
+        assert st.monitor is not None
+        while True:
+            try:
+                msg = recv_monitor_message(st.monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except zmq.ZMQError:
+                return
+            now = time.monotonic()
+            if msg["event"] == zmq.EVENT_CONNECTED:
+                reconnect = st.was_connected and not st.stats.connected
+                st.stats.connected = st.was_connected = True
+                st.disconnected_since = None
+                self._metrics.connected.labels(*st.labels).set(1)
+                log.info("kv events %s connected to %s", _name(st), st.spec.endpoint)
+                if st.replay is None and st.spec.replay_endpoint is not None:
+                    if st.expected is None:
+                        self._begin_replay(st, "sync")
+                    elif reconnect:
+                        self._begin_replay(st, "reconnect")
+            elif msg["event"] == zmq.EVENT_DISCONNECTED:
+                if st.stats.connected:
+                    st.disconnected_since = now
+                st.stats.connected = False
+                self._metrics.connected.labels(*st.labels).set(0)
+                log.info("kv events %s disconnected from %s", _name(st), st.spec.endpoint)
+
+    def _on_sub(self, st: _Stream) -> None:
+        assert st.sub is not None
+        for _ in range(1000):
+            try:
+                frames = st.sub.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            try:
+                _topic, seq, payload = parse_pub_frames(frames)
+            except EventDecodeError as e:
+                self._malformed(st, f"bad frames: {e}")
+                continue
+            st.last_msg = time.monotonic()
+            self._on_live(st, seq, payload)
+
+    def _on_live(self, st: _Stream, seq: int, payload: bytes) -> None:
+        if st.stats.dead:
+            st.stats.dead = False
+            log.info("kv events %s alive again at seq %d", _name(st), seq)
+        if st.replay is not None:
+            st.replay.msgs.setdefault(seq, payload)
+            return
+        if st.expected is None:
+            if seq == 0 or st.spec.replay_endpoint is None:
+                if seq != 0:
+                    log.info("kv events %s joined at seq %d without a replay endpoint", _name(st), seq)
+                self._apply(st, seq, payload)
+            else:
+                self._begin_replay(st, "sync", pending={seq: payload})
+            return
+        if seq == st.expected:
+            self._apply(st, seq, payload)
+        elif seq > st.expected:
+            self._count(st, "gaps")
+            log.info("kv events %s gap: expected seq %d, got %d", _name(st), st.expected, seq)
+            if st.spec.replay_endpoint is None:
+                self._lose(st, f"seqs {st.expected}..{seq - 1} missed and no replay endpoint")
+                self._apply(st, seq, payload)
+            else:
+                self._begin_replay(st, "gap", pending={seq: payload})
+        elif st.recent.get(seq) == hash(payload):
+            return
+        else:
+            self._restart(st, f"seq went back from {st.expected - 1} to {seq}")
+            self._on_live(st, seq, payload)
+
+    def _on_dealer(self, st: _Stream) -> None:
+        assert st.dealer is not None
+        for _ in range(10_000):
+            try:
+                frames = st.dealer.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            r = st.replay
+            if r is None:
+                continue
+            try:
+                item = parse_replay_reply(frames)
+            except EventDecodeError as e:
+                self._malformed(st, f"bad replay reply: {e}")
+                continue
+            if item is None:
+                self._finish_replay(st, timed_out=False)
+                return
+            seq, payload = item
+            r.msgs[seq] = payload
+            r.replied_min = seq if r.replied_min is None else min(r.replied_min, seq)
+
+    def _tick(self, now: float) -> None:
+        for st in list(self._streams.values()):
+            if st.replay is not None and now >= st.replay.deadline:
+                log.warning("kv events %s: replay from %s timed out", _name(st), st.spec.replay_endpoint)
+                self._close_dealer(st)
+                self._finish_replay(st, timed_out=True)
+            if st.resync_at is not None and now >= st.resync_at:
+                self._resync(st)
+            if (
+                st.disconnected_since is not None
+                and not st.stats.dead
+                and now - st.disconnected_since >= self._dead_grace_s
+            ):
+                self._purge_worker(st.spec.worker, f"disconnected for {self._dead_grace_s:g}s")
+            if (
+                st.replay is None
+                and st.expected is not None
+                and st.stats.connected
+                and st.spec.replay_endpoint is not None
+                and now - max(st.last_msg or 0.0, st.last_probe) >= self._tail_probe_s
+            ):
+                st.last_probe = now
+                st.stats.probes += 1
+                self._begin_replay(st, "probe")
+
+    # -- replay ----------------------------------------------------------------------------------
+
+    def _begin_replay(self, st: _Stream, reason: str, pending: dict[int, bytes] | None = None) -> None:
+        """Ask the engine for every batch from ``expected - 1`` (anchored) or from 0 (``sync``)."""
+        assert self._ctx is not None and st.spec.replay_endpoint is not None
+        if st.expected is None:
+            start, anchor = 0, None
+        else:
+            start = st.expected - 1
+            anchor = st.recent.get(start)
+        st.replay = _Replay(start, anchor, time.monotonic() + self._replay_timeout_s, reason, dict(pending or {}))
+        if reason != "probe":
+            self._count(st, "replays")
+        if st.dealer is None:
+            dealer = self._ctx.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.setsockopt(zmq.RCVHWM, 0)
+            dealer.connect(st.spec.replay_endpoint)
+            st.dealer = dealer
+            self._sockets_changed = True
+        try:
+            st.dealer.send_multipart(build_replay_request(start), zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            log.warning("kv events %s: replay request failed: %s", _name(st), e)
+            self._close_dealer(st)
+            st.replay.deadline = time.monotonic()
+
+    def _finish_replay(self, st: _Stream, *, timed_out: bool) -> None:
+        r = st.replay
+        assert r is not None
+        st.replay = None
+        msgs = r.msgs
+        if r.reason == "probe" and timed_out:
+            for seq in sorted(msgs):
+                self._on_live(st, seq, msgs[seq])
+            return
+        if r.anchor_hash is None and st.expected is not None:
+            # The anchor batch fell out of our recent map (cannot happen with a bounded gap);
+            # nothing to compare against, so treat the stream as lost and start over.
+            self._lose(st, "anchor unknown")
+            self._resync_with(st, msgs)
+            return
+        if r.anchor_hash is not None:
+            got = msgs.pop(r.start, None)
+            if got is None:
+                if timed_out or (r.replied_min is not None and r.replied_min > r.start):
+                    # No answer, or the engine's buffer moved past the anchor: whatever is
+                    # still missing is counted as lost by the run below.
+                    self._apply_run(st, msgs, fresh=False)
+                    return
+                self._restart(st, f"engine no longer holds seq {r.start}")
+                self._resync_with(st, msgs)
+                return
+            if hash(got) != r.anchor_hash:
+                self._restart(st, f"engine's batch {r.start} differs from the one applied")
+                self._resync_with(st, msgs)
+                return
+            self._apply_run(st, msgs, fresh=False)
+            return
+        if timed_out and msgs:
+            log.warning("kv events %s: no replay answer; starting at seq %d", _name(st), min(msgs))
+        self._apply_run(st, msgs, fresh=True)
+
+    def _resync_with(self, st: _Stream, msgs: dict[int, bytes]) -> None:
+        st.expected = None
+        st.recent.clear()
+        if st.spec.replay_endpoint is not None and st.stats.connected:
+            self._begin_replay(st, "sync", pending=msgs)
+        else:
+            self._apply_run(st, msgs, fresh=True)
+
+    def _apply_run(self, st: _Stream, msgs: dict[int, bytes], *, fresh: bool) -> None:
+        """Apply ``msgs`` in seq order from ``expected`` (or from the lowest when ``fresh``).
+
+        A hole inside the run is history the engine no longer holds: the worker is cleared
+        and application resumes at the next held batch (a suffix of history never
+        over-claims). Seqs already applied are dropped.
+        """
+        seq = st.expected if st.expected is not None else (min(msgs) if msgs else 0)
+        if fresh and seq > 0 and msgs:
+            log.info("kv events %s: joined at seq %d (earlier history not available)", _name(st), seq)
+        while msgs:
+            payload = msgs.pop(seq, None)
+            if payload is not None:
+                self._apply(st, seq, payload)
+                seq += 1
+                continue
+            nxt = min(msgs)
+            if nxt < seq:
+                del msgs[nxt]
+                continue
+            self._lose(st, f"seqs {seq}..{nxt - 1} are gone from the engine's buffer")
+            seq = nxt
+
+    # -- state changes -----------------------------------------------------------------------------
+
+    def _apply(self, st: _Stream, seq: int, payload: bytes) -> None:
+        st.expected = seq + 1
+        st.stats.last_seq = seq
+        st.recent[seq] = hash(payload)
+        if len(st.recent) > _RECENT_MAX:
+            del st.recent[next(iter(st.recent))]
+        try:
+            batch = decode_batch(payload)
+        except EventDecodeError as e:
+            self._malformed(st, f"seq {seq}: {e}")
+            return
+        verifier = self._verifiers.get(st.spec.model)
+        if verifier is not None:
+            batch = self._verify(st, verifier, batch)
+        try:
+            self._index.apply(st.spec.model, st.spec.worker, batch)
+        except Exception:
+            log.exception("kv events %s: index write failed at seq %d; re-synchronising", _name(st), seq)
+            self._count(st, "index_errors")
+            st.resync_at = time.monotonic()
+            return
+        st.stats.batches += 1
+        self._metrics.batches.labels(*st.labels).inc()
+        for ev in batch.events:
+            kind = type(ev).__name__
+            st.stats.events += 1
+            self._metrics.events.labels(*st.labels, kind).inc()
+
+    def _verify(self, st: _Stream, verifier: HashVerifier, batch: EventBatch) -> EventBatch:
+        outcome = verifier.check(st.spec.worker, batch)
+        s = st.stats
+        s.verify_match += outcome.match
+        s.verify_mismatch += outcome.mismatch
+        s.verify_unverifiable += outcome.unverifiable
+        for result, n in (("match", outcome.match), ("mismatch", outcome.mismatch), ("unverifiable", outcome.unverifiable)):
+            if n:
+                self._metrics.verify.labels(*st.labels, result).inc(n)
+        if outcome.mode_changed:
+            s.rehash_mode = verifier.rehash_mode(st.spec.worker)
+            s.rehash_reason = verifier.diagnosis(st.spec.worker) if s.rehash_mode else None
+            self._metrics.rehash.labels(*st.labels).set(1 if s.rehash_mode else 0)
+        return outcome.batch
+
+    def _clear(self, st: _Stream) -> bool:
+        verifier = self._verifiers.get(st.spec.model)
+        if verifier is not None:
+            verifier.forget(st.spec.worker)
+        try:
+            self._index.clear(st.spec.model, st.spec.worker)
+            return True
+        except Exception:
+            log.exception("kv events %s: clearing the index failed", _name(st))
+            self._count(st, "index_errors")
+            st.resync_at = time.monotonic() + 1.0
+            return False
+
+    def _lose(self, st: _Stream, why: str) -> None:
+        self._count(st, "lost")
+        log.warning("kv events %s: history lost (%s); worker cleared", _name(st), why)
+        self._clear(st)
+
+    def _restart(self, st: _Stream, why: str) -> None:
+        self._count(st, "restarts")
+        log.warning("kv events %s: publisher restarted (%s); worker cleared", _name(st), why)
+        self._clear(st)
+        st.expected = None
+        st.recent.clear()
+
+    def _resync(self, st: _Stream) -> None:
+        """After an index failure: clear the worker and rebuild it from the engine's history."""
+        st.resync_at = None
+        if st.replay is not None:
+            return
+        if self._clear(st):
+            st.expected = None
+            st.recent.clear()
+            if st.spec.replay_endpoint is not None and st.stats.connected:
+                self._begin_replay(st, "sync")
+
+    def _purge_worker(self, worker: Worker, why: str) -> None:
+        st = self._streams.get(worker)
+        if st is None:
+            return
+        log.warning("kv events %s purged from the index: %s", _name(st), why)
+        self._count(st, "purges")
+        self._clear(st)
+        st.stats.dead = True
+        st.expected = None
+        st.recent.clear()
+        st.replay = None
+        self._close_dealer(st)
+
+    def _malformed(self, st: _Stream, why: str) -> None:
+        self._count(st, "malformed")
+        log.warning("kv events %s: malformed message skipped: %s", _name(st), why)
+
+    def _count(self, st: _Stream, what: str) -> None:
+        setattr(st.stats, what, getattr(st.stats, what) + 1)
+        getattr(self._metrics, what).labels(*st.labels).inc()
+
+
+def _unique(specs: list[StreamSpec]) -> list[StreamSpec]:
+    seen: dict[Worker, StreamSpec] = {}
+    for s in specs:
+        if s.worker in seen and seen[s.worker] != s:
+            raise ValueError(f"two event streams for worker {s.worker}")
+        seen[s.worker] = s
+    return list(seen.values())
+
+
+def _name(st: _Stream) -> str:
+    w = st.spec.worker
+    return f"{w.backend}[{w.dp_rank}]"
+
