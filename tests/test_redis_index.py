@@ -1,0 +1,166 @@
+"""What only RedisIndex promises: one round trip per lookup, clear without SCAN, shared by replicas."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import shutil
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from indexer.index import Worker
+from indexer.redis_index import RedisIndex
+from support import Proc, free_port, wait_port
+
+M = "qwen3"
+A = Worker("a")
+B = Worker("b", 1)
+
+
+@pytest.fixture
+def ns() -> str:
+    return f"test-{uuid.uuid4().hex}"
+
+
+@pytest.fixture
+def server(redis_url: str) -> Iterator[redis.Redis]:
+    r = redis.Redis.from_url(redis_url)
+    yield r
+    r.close()
+
+
+@pytest.fixture
+def index(redis_url: str, ns: str) -> Iterator[RedisIndex]:
+    idx = RedisIndex(redis_url, namespace=ns)
+    yield idx
+    idx.close()
+
+
+def lookup(idx: RedisIndex, keys: list[int], model: str = M) -> dict:
+    async def go() -> dict:
+        try:
+            return await idx.lookup(model, keys)
+        finally:
+            await idx.aclose()
+
+    return asyncio.run(go())
+
+
+def calls(server: redis.Redis) -> dict[str, int]:
+    stats = server.info("commandstats")
+    return {k.removeprefix("cmdstat_"): v["calls"] for k, v in stats.items() if not k.startswith("cmdstat_config")}
+
+
+def test_lookup_for_every_worker_is_one_script_call(index: RedisIndex, server: redis.Redis) -> None:
+    chain = [random.getrandbits(64) for _ in range(512)]
+    for i in range(6):
+        index.store(M, Worker(f"w{i}"), chain[: 80 * (i + 1)])
+    index.store(M, A, chain[:10], "CPU")
+
+    async def go() -> dict:
+        await index.lookup(M, chain)
+        server.config_resetstat()
+        hits = await index.lookup(M, chain)
+        await index.aclose()
+        return hits
+
+    hits = asyncio.run(go())
+    assert hits == {**{Worker(f"w{i}"): {"GPU": min(80 * (i + 1), 512)} for i in range(6)}, A: {"CPU": 10}}
+    made = calls(server)
+    assert made["evalsha"] == 1
+    assert set(made) <= {"evalsha", "hkeys", "smismember"}, made
+    assert made["hkeys"] == 1
+
+
+def test_clear_removes_the_workers_keys_without_scanning(index: RedisIndex, server: redis.Redis, ns: str) -> None:
+    index.store(M, A, list(range(1, 20_001)))
+    index.store(M, A, [5], "CPU")
+    index.store(M, B, [1, 2])
+    server.config_resetstat()
+    index.clear(M, A)
+    made = calls(server)
+    assert not {"scan", "keys", "sscan", "hscan"} & set(made), made
+    left = sorted(k.decode() for k in server.keys(f"{ns}:*"))
+    assert left == [f"{ns}:models", f"{ns}:{{{M}}}:reg", f'{ns}:{{{M}}}:s:GPU\n["b",1]']
+    assert lookup(index, [1, 2]) == {B: {"GPU": 2}}
+
+
+def test_router_replicas_share_one_index(redis_url: str, index: RedisIndex, ns: str) -> None:
+    replica = RedisIndex(redis_url, namespace=ns)
+    try:
+        index.store(M, A, [1, 2, 3])
+        assert lookup(replica, [1, 2, 3]) == {A: {"GPU": 3}}
+        replica.clear(M, A)
+        assert lookup(index, [1, 2, 3]) == {}
+    finally:
+        replica.close()
+
+
+def test_namespaces_do_not_see_each_other(redis_url: str, index: RedisIndex) -> None:
+    other = RedisIndex(redis_url, namespace=f"test-{uuid.uuid4().hex}")
+    try:
+        index.store(M, A, [1])
+        assert lookup(other, [1]) == {}
+        assert other.block_counts(M) == {}
+    finally:
+        other.close()
+
+
+def test_memory_bytes_sums_memory_usage_of_the_namespace(index: RedisIndex, server: redis.Redis, ns: str) -> None:
+    index.store(M, A, [random.getrandbits(64) for _ in range(2000)])
+    index.store(M, B, [random.getrandbits(64) for _ in range(100)], "CPU")
+    expected = sum(server.memory_usage(k) for k in server.keys(f"{ns}:*"))
+    assert index.memory_bytes() == expected
+    assert expected > 2000 * 8
+
+
+def test_lookup_works_from_a_new_event_loop(index: RedisIndex) -> None:
+    index.store(M, A, [1, 2])
+    for _ in range(3):
+        assert lookup(index, [1, 2]) == {A: {"GPU": 2}}
+
+
+def test_backend_names_survive_the_wire(index: RedisIndex) -> None:
+    odd = Worker('gpu-ñ "7"\\n', 3)
+    index.store(M, odd, [1])
+    assert lookup(index, [1]) == {odd: {"GPU": 1}}
+    assert index.block_counts(M) == {odd: 1}
+    index.clear(M, odd)
+    assert index.block_counts(M) == {}
+
+
+def test_a_medium_with_a_newline_is_rejected(index: RedisIndex) -> None:
+    with pytest.raises(ValueError, match="newline"):
+        index.store(M, A, [1], "GP\nU")
+
+
+def test_lookup_script_runs_on_a_read_only_replica(index: RedisIndex, redis_url: str, ns: str, tmp_path: Path) -> None:
+    """The lookup script is flagged no-writes, so routers may read from replicas."""
+    exe = shutil.which("redis-server")
+    assert exe is not None
+    primary_port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
+    port = free_port()
+    args = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            "--dir", str(tmp_path), "--replicaof", "127.0.0.1", str(primary_port)]
+    index.store(M, A, [1, 2, 3])
+    with Proc(args, tmp_path / "replica.log") as proc:
+        wait_port(port, timeout=20)
+        replica_url = f"redis://127.0.0.1:{port}/0"
+        r = redis.Redis.from_url(replica_url)
+        try:
+            deadline = time.monotonic() + 20
+            while r.info("replication").get("master_link_status") != "up" or not r.exists(f"{ns}:models"):
+                assert time.monotonic() < deadline, proc.log()
+                time.sleep(0.05)
+        finally:
+            r.close()
+        reader = RedisIndex(replica_url, namespace=ns)
+        try:
+            assert lookup(reader, [1, 2, 3, 4]) == {A: {"GPU": 3}}
+        finally:
+            reader.close()
