@@ -23,3 +23,42 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         wait_port(port, timeout=20)
         yield f"redis://127.0.0.1:{port}/0"
         assert proc.popen.poll() is None, proc.log()
+
+
+class SimFleet:
+    """A running ``kvrouter sim``: engine i answers on ``http(i)``, publishes on ``kv(i)``, replays on ``replay(i)``."""
+
+    def __init__(self, proc: Proc, port: int, kv_port: int, replay_port: int, instances: int) -> None:
+        self.proc, self.port, self.kv_port, self.replay_port, self.instances = proc, port, kv_port, replay_port, instances
+
+    def http(self, i: int = 0) -> str:
+        return f"http://127.0.0.1:{self.port + i}"
+
+    def kv(self, i: int = 0) -> str:
+        return f"tcp://127.0.0.1:{self.kv_port + i}"
+
+    def replay(self, i: int = 0) -> str:
+        return f"tcp://127.0.0.1:{self.replay_port + i}"
+
+
+@pytest.fixture
+def sim_fleet(tmp_path):
+    """Factory ``sim_fleet(*extra_args, instances=1, model="qwen3")``: a real ``kvrouter sim`` on free ports, always stopped."""
+    from support import QWEN3_DIR, KVROUTER, free_ports, wait_http
+
+    started: list[Proc] = []
+
+    def start(*extra: str, instances: int = 1, model: str = "qwen3") -> SimFleet:
+        base = free_ports(3 * instances)
+        port, kv, rp = base, base + instances, base + 2 * instances
+        args = [*KVROUTER, "sim", "--port", str(port), "--model", model, "--tokenizer", str(QWEN3_DIR),
+                "--kv-events-port", str(kv), "--replay-port", str(rp), "--instances", str(instances), *extra]
+        proc = Proc(args, tmp_path / f"sim-{len(started)}.log")
+        started.append(proc)
+        for i in range(instances):
+            wait_http(f"http://127.0.0.1:{port + i}/health", timeout=90, proc=proc.popen)
+        return SimFleet(proc, port, kv, rp, instances)
+
+    yield start
+    for proc in started:
+        proc.stop()
