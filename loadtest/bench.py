@@ -1,0 +1,336 @@
+"""``kvrouter bench``: the same workload through each routing policy on a fresh simulated fleet.
+
+For every policy the bench starts K simulated engines and the router (fresh caches,
+fresh index), replays the workload, samples the engines' ``/metrics`` while it runs,
+probes the router's decision time, and stops both. It then writes ``results.json``,
+``report.md`` and three PNGs (TTFT CDF, per-backend load, cached ratio over time).
+
+``--target-load F`` sets the arrival rate to F times the fleet's *measured* capacity:
+before the policy runs, a closed-loop saturation run (``16 x K`` concurrent sessions,
+round_robin, a sample of the same workload) measures the requests per engine-second
+the fleet completes while every slot is busy; the workload's clock is then scaled so
+its mean arrival rate is ``F x capacity``. The capacity is measured under round_robin,
+the cache-oblivious baseline, so every policy is offered the same load and a policy
+that reuses more cache simply has more headroom. For multi-turn workloads the scaling
+applies to session starts (think times are kept).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from loadtest import report, workloads
+from loadtest.fleet import Fleet, FleetError, FleetSpec, Router, scrape
+from loadtest.replay import ReplayResult, Replayer, add_workload_args, load_workload
+from loadtest.workloads import Workload, WorkloadError
+
+DEFAULT_POLICIES = "round_robin,least_loaded,kv_aware"
+SAMPLE_TRACES = {
+    "mooncake": workloads.DATA_DIR / "traces" / "mooncake_conversation_head1500.jsonl",
+    "sharegpt": workloads.DATA_DIR / "traces" / "sharegpt_multiturn_150.json",
+    "synthetic": "default",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Capacity:
+    requests_per_s: float
+    sample_requests: int
+    concurrency: int
+
+
+class EngineSampler:
+    """Scrapes every engine's running/waiting gauges every ``interval_s`` in a thread."""
+
+    def __init__(self, fleet: Fleet, interval_s: float, time_scale: float) -> None:
+        self.fleet = fleet
+        self.interval_s = interval_s
+        self.time_scale = time_scale
+        self.samples: list[report.LoadSample] = []
+        self.failures = 0
+        self.t0 = time.perf_counter()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="engine-sampler", daemon=True)
+
+    def start(self, t0: float) -> None:
+        self.t0 = t0
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _loop(self) -> None:
+        with httpx.Client(timeout=2.0) as client:
+            while not self._stop.wait(self.interval_s):
+                for e in self.fleet.engines:
+                    try:
+                        m = _parse(client.get(e.url + "/metrics").text)
+                    except (httpx.HTTPError, ValueError):
+                        self.failures += 1
+                        continue
+                    t = (time.perf_counter() - self.t0) * self.time_scale
+                    self.samples.append(report.LoadSample(t, e.name, m.get("vllm:num_requests_running", 0.0),
+                                                          m.get("vllm:num_requests_waiting", 0.0)))
+
+
+def _parse(text: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[s.name] = out.get(s.name, 0.0) + float(s.value)
+    return out
+
+
+def probe_overhead(router_url: str, turns: list[workloads.Turn], model: str, n: int = 20) -> float | None:
+    """Median ms of the router's routing decision: ``POST /debug/route`` minus ``GET /health``.
+
+    Both are loopback round trips to the same server, so the difference is the work
+    the router adds before proxying (tokenize, hash, index lookup, policy).
+    """
+    picks = turns[:: max(1, len(turns) // n)][:n]
+    if not picks:
+        return None
+    route_s, health_s = [], []
+    with httpx.Client(timeout=10.0) as client:
+        for t in picks:
+            t0 = time.perf_counter()
+            client.get(router_url + "/health")
+            t1 = time.perf_counter()
+            r = client.post(router_url + "/debug/route", json={**t.body, "model": model})
+            t2 = time.perf_counter()
+            if r.status_code != 200:
+                return None
+            health_s.append(t1 - t0)
+            route_s.append(t2 - t1)
+    return max(0.0, statistics.median(route_s) - statistics.median(health_s)) * 1000
+
+
+def measure_capacity(workload: Workload, spec: FleetSpec, workdir: Path, *, per_backend: int = 16,
+                     sample: int | None = None) -> Capacity:
+    """Saturation throughput (requests per engine-second) of the fleet on this workload's mix.
+
+    Closed loop with ``per_backend x K`` sessions through round_robin. Throughput is
+    counted from the first completion to the moment the last request was sent: the
+    span during which every slot was busy (before it the pipeline fills, after it it
+    drains).
+    """
+    conc = per_backend * spec.backends
+    wl = workload.head(sample or max(4 * conc, 60))
+    with Fleet(spec, workdir / "capacity") as fleet, Router(fleet, "round_robin", workdir / "capacity") as router:
+        res = asyncio.run(Replayer(router.url, spec.model, concurrency=conc, time_scale=spec.speedup).run(wl))
+    ok = [r for r in res.records if r.ok and r.e2e_s is not None]
+    if len(ok) < 3:
+        raise FleetError(f"capacity run completed {len(ok)} of {len(res.records)} requests: "
+                         f"{[r.error for r in res.records if not r.ok][:3]}")
+    done = sorted(r.sent_s + r.e2e_s for r in ok)
+    last_send = max(r.sent_s for r in res.records)
+    t_first = done[0]
+    n = sum(1 for t in done if t_first < t <= last_send)
+    if last_send - t_first <= 0 or n < 3:
+        rate = len(ok) / (max(done) - min(r.sent_s for r in ok))
+    else:
+        rate = n / (last_send - t_first)
+    return Capacity(rate / spec.speedup, wl.num_requests, conc)
+
+
+def ideal_ratio(workload: Workload, tokenizer: str, block_size: int) -> float:
+    from router.tokenize import load_tokenizer
+
+    tok = load_tokenizer(tokenizer)
+    cached, total = workloads.ideal_cached_tokens((workloads.prompt_ids(t, tok) for t in workload.turns()), block_size)
+    return cached / total if total else 0.0
+
+
+@dataclass(slots=True)
+class PolicyRun:
+    result: dict[str, Any]
+    trace: report.PolicyTrace
+
+
+def run_policy(workload: Workload, spec: FleetSpec, policy: str, workdir: Path, *, speedup: float,
+               sample_interval_s: float, progress: bool) -> PolicyRun:
+    """One policy on a fresh fleet and router; returns its results.json entry and plot data."""
+    with Fleet(spec, workdir / policy) as fleet, Router(fleet, policy, workdir / policy) as router:
+        sampler = EngineSampler(fleet, sample_interval_s, spec.speedup)
+        replayer = Replayer(router.url, spec.model, speedup=speedup, time_scale=spec.speedup)
+        res = _run_with_progress(replayer, workload, sampler, policy, progress)
+        overhead = probe_overhead(router.url, list(workload.turns()), spec.model)
+        router_metrics = _try_scrape(router.url + "/metrics")
+        engine_metrics = {e.name: _try_scrape(e.url + "/metrics") for e in fleet.engines}
+    summary = res.summary()
+    engine_hits = sum(m.get("vllm:prefix_cache_hits_total", 0.0) for m in engine_metrics.values())
+    engine_queries = sum(m.get("vllm:prefix_cache_queries_total", 0.0) for m in engine_metrics.values())
+    result = {
+        "policy": policy,
+        **summary,
+        "load_imbalance": report.imbalance(summary["backend_requests"]),
+        "router_overhead_ms": overhead,
+        "engine_prefix_hit_ratio": engine_hits / engine_queries if engine_queries else None,
+        "router_metrics": {k: v for k, v in router_metrics.items() if k.startswith("kvrouter_") and "_bucket" not in k},
+        "scrape_failures": sampler.failures,
+    }
+    return PolicyRun(result, report.PolicyTrace(policy, res.records, sampler.samples, spec.speedup))
+
+
+def _run_with_progress(replayer: Replayer, workload: Workload, sampler: EngineSampler, label: str,
+                       progress: bool) -> ReplayResult:
+    async def go() -> ReplayResult:
+        task = asyncio.ensure_future(replayer.run(workload))
+        await asyncio.sleep(0)
+        sampler.start(replayer._t0 or time.perf_counter())
+        try:
+            return await task
+        finally:
+            sampler.stop()
+
+    if not progress:
+        return asyncio.run(go())
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn(f"[bold]{label:>14}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()) as bar:
+        task_id = bar.add_task(label, total=workload.num_requests)
+        replayer.on_done = lambda rec: bar.update(task_id, advance=1)
+        return asyncio.run(go())
+
+
+def _try_scrape(url: str) -> dict[str, float]:
+    try:
+        return scrape(url)
+    except (httpx.HTTPError, ValueError):
+        return {}
+
+
+@dataclass(slots=True)
+class BenchOptions:
+    out: Path
+    workload: Workload
+    spec: FleetSpec
+    policies: list[str]
+    speedup: float
+    target_load: float | None
+    rate_scale: float
+    sample_interval_s: float = 0.5
+    progress: bool = True
+    peer: str | None = None
+    plot_prefix: str = ""
+    title: str | None = None
+
+
+def run_bench(opt: BenchOptions) -> dict[str, Any]:
+    """Calibrate (optionally), run every policy, write results.json, report.md and PNGs."""
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    opt.out.mkdir(parents=True, exist_ok=True)
+    work = opt.out / "logs"
+    wl = opt.workload
+    meta: dict[str, Any] = {"workload": wl.name, "requests": wl.num_requests, "backends": opt.spec.backends,
+                            "speedup": opt.speedup, "trace_rate_per_s": round(wl.arrival_rate, 3)}
+    rate_scale = opt.rate_scale
+    if opt.target_load is not None:
+        if wl.arrival_rate <= 0:
+            raise WorkloadError("--target-load needs a workload whose requests are spread over time")
+        console.print("measuring fleet capacity (closed-loop saturation, round_robin) ...")
+        cap = measure_capacity(wl, opt.spec, work)
+        rate_scale = opt.target_load * cap.requests_per_s / wl.arrival_rate
+        meta.update({"capacity_req_per_s": round(cap.requests_per_s, 3), "capacity_concurrency": cap.concurrency,
+                     "target_load": opt.target_load})
+        console.print(f"capacity {cap.requests_per_s:.2f} req/s -> rate scale {rate_scale:.3f}")
+    meta["rate_scale"] = round(rate_scale, 4)
+    meta["offered_rate_per_s"] = round(wl.arrival_rate * rate_scale, 3)
+    scaled = wl.rate_scaled(rate_scale)
+    ideal = ideal_ratio(wl, opt.spec.tokenizer, opt.spec.block_size)
+    runs: list[dict[str, Any]] = []
+    traces: list[report.PolicyTrace] = []
+    for policy in opt.policies:
+        pr = run_policy(scaled, opt.spec, policy, work, speedup=opt.speedup,
+                        sample_interval_s=opt.sample_interval_s, progress=opt.progress)
+        pr.result["ideal_cached_ratio"] = ideal
+        runs.append(pr.result)
+        traces.append(pr.trace)
+    if opt.peer:
+        from loadtest.peer import run_peer
+
+        pr = run_peer(opt.peer, scaled, opt.spec, work, speedup=opt.speedup, sample_interval_s=opt.sample_interval_s,
+                      progress=opt.progress)
+        pr.result["ideal_cached_ratio"] = ideal
+        runs.append(pr.result)
+        traces.append(pr.trace)
+    results = {"meta": meta, "runs": runs}
+    (opt.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    title = opt.title or f"{wl.name}, {opt.spec.backends} engines"
+    plots = report.write_plots(opt.out, traces, title, ideal, opt.plot_prefix)
+    report.write_markdown(opt.out / "report.md", meta, runs, plots)
+    return results
+
+
+# -- command ------------------------------------------------------------------------------
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", required=True, help="directory for report.md, results.json, PNGs and logs")
+    p.add_argument("--trace", default=None, help="trace file (else --workload picks a shipped sample)")
+    p.add_argument("--format", choices=workloads.FORMATS, default=None, help="trace format (default: detected)")
+    p.add_argument("--workload", choices=tuple(SAMPLE_TRACES), default="mooncake",
+                   help="shipped sample workload when no --trace is given (default mooncake)")
+    p.add_argument("--backends", type=int, default=4, help="simulated engines (default 4)")
+    p.add_argument("--policies", default=DEFAULT_POLICIES, help=f"comma-separated (default {DEFAULT_POLICIES})")
+    p.add_argument("--max-requests", type=int, default=300, help="requests replayed per policy (default 300)")
+    p.add_argument("--speedup", type=float, default=1.0, help="engines and trace clock both run X times faster")
+    p.add_argument("--target-load", type=float, default=None,
+                   help="offer this fraction of the fleet's measured capacity (e.g. 0.8)")
+    p.add_argument("--rate-scale", type=float, default=1.0, help="multiply the arrival rate (without --target-load)")
+    p.add_argument("--num-blocks", type=int, default=None, help="KV blocks per engine (default: the simulator's)")
+    p.add_argument("--model", default="qwen3-sim", help="served model name")
+    p.add_argument("--sim-arg", action="append", default=[], help="extra argument for kvrouter sim (repeatable)")
+    p.add_argument("--sample-interval", type=float, default=0.5, help="engine /metrics scrape period, wall s")
+    p.add_argument("--peer", choices=("vllm-router",), default=None, help="also run a peer router as a column")
+    p.add_argument("--plot-prefix", default="", help="prefix of the PNG file names")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_workload_args(p)
+
+
+def options_from_args(args: argparse.Namespace) -> BenchOptions:
+    path = args.trace or str(SAMPLE_TRACES[args.workload])
+    fmt = args.format or (None if args.trace else args.workload)
+    wl = load_workload(args, path, fmt)
+    policies = [x.strip() for x in args.policies.split(",") if x.strip()]
+    if not policies:
+        raise WorkloadError("--policies names no policy")
+    if args.backends < 1:
+        raise WorkloadError("--backends must be >= 1")
+    spec = FleetSpec(backends=args.backends, model=args.model, tokenizer=args.tokenizer, speedup=args.speedup,
+                     num_blocks=args.num_blocks, sim_args=list(args.sim_arg))
+    return BenchOptions(Path(args.out), wl, spec, policies, args.speedup, args.target_load, args.rate_scale,
+                        sample_interval_s=args.sample_interval, progress=not args.quiet, peer=args.peer,
+                        plot_prefix=args.plot_prefix)
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    console = Console()
+    try:
+        opt = options_from_args(args)
+        results = run_bench(opt)
+    except (WorkloadError, FleetError, ValueError) as e:
+        Console(stderr=True).print(f"[red]error:[/red] {e}")
+        return 2
+    console.print(report.rich_table(results["runs"], f"{opt.workload.name}: {opt.spec.backends} engines"))
+    for line in report.comparison(results["runs"]):
+        console.print(line)
+    console.print(f"report: {opt.out / 'report.md'}  results: {opt.out / 'results.json'}")
+    return 0 if all(r["completed"] for r in results["runs"]) else 1

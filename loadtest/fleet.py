@@ -1,0 +1,258 @@
+"""A simulated fleet and a router as child processes: free ports, readiness, always stopped.
+
+Shared by ``kvrouter bench``, ``kvrouter loadtest`` and ``kvrouter demo``. Everything
+runs on loopback; every child writes its output to a log file in the work directory
+(shown when it fails to come up), and every child is stopped on exit, including on
+Ctrl-C, because the context managers own them.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from loadtest.workloads import DEFAULT_TOKENIZER
+
+KVROUTER = [sys.executable, "-m", "router.cli"]
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+class FleetError(RuntimeError):
+    """A child process did not come up (the message holds the tail of its log)."""
+
+
+def free_port_run(n: int, host: str = "127.0.0.1") -> int:
+    """The first of ``n`` consecutive loopback ports that were all free a moment ago."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind((host, 0))
+            base = s.getsockname()[1]
+        if base + n >= 65535:
+            continue
+        socks = []
+        try:
+            for p in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind((host, p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise FleetError(f"no run of {n} free ports found")
+
+
+class Child:
+    """One child process with its log file; :meth:`stop` terminates, then kills after a grace."""
+
+    def __init__(self, name: str, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+        self.name = name
+        self.args = args
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.popen = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=full_env,
+                                      cwd=REPO_ROOT, stdin=subprocess.DEVNULL)
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def log_tail(self, n: int = 4000) -> str:
+        self._log.flush()
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def stop(self, grace: float = 5.0) -> None:
+        if self.popen.poll() is None:
+            self.popen.terminate()
+            try:
+                self.popen.wait(grace)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(grace)
+        if not self._log.closed:
+            self._log.close()
+
+
+def wait_ready(url: str, child: Child, timeout_s: float) -> None:
+    """Poll ``url`` until 200; raise :class:`FleetError` with the child's log if it dies or times out."""
+    deadline = time.monotonic() + timeout_s
+    last: object = None
+    while time.monotonic() < deadline:
+        if not child.alive():
+            raise FleetError(f"{child.name} exited with {child.popen.returncode}:\n{child.log_tail()}")
+        try:
+            r = httpx.get(url, timeout=2.0)
+            if r.status_code == 200:
+                return
+            last = r.status_code
+        except httpx.HTTPError as e:
+            last = e
+        time.sleep(0.1)
+    raise FleetError(f"{child.name}: {url} not ready after {timeout_s:.0f}s (last: {last!r}):\n{child.log_tail()}")
+
+
+@dataclass(frozen=True, slots=True)
+class Engine:
+    name: str
+    url: str
+    kv_events: str
+    kv_replay: str
+
+
+@dataclass(slots=True)
+class FleetSpec:
+    """The simulated engines: ``backends`` engines of one model, with the sim's own defaults
+    for everything left ``None``."""
+
+    backends: int = 4
+    model: str = "qwen3-sim"
+    tokenizer: str = str(DEFAULT_TOKENIZER)
+    block_size: int = 16
+    hash_algo: str = "sha256"
+    hash_seed: str | None = "0"
+    vllm_version: str = "0.33.0"
+    speedup: float = 1.0
+    num_blocks: int | None = None
+    sim_args: list[str] = field(default_factory=list)
+
+
+class Fleet:
+    """``kvrouter sim --instances K`` in one child process; engine i on consecutive ports."""
+
+    def __init__(self, spec: FleetSpec, workdir: Path, *, name: str = "sim") -> None:
+        self.spec = spec
+        self.workdir = workdir
+        self.name = name
+        self.engines: list[Engine] = []
+        self.child: Child | None = None
+
+    def start(self, timeout_s: float = 120.0) -> Fleet:
+        s = self.spec
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        base = free_port_run(3 * s.backends)
+        http, events, replay = base, base + s.backends, base + 2 * s.backends
+        args = [*KVROUTER, "sim", "--port", str(http), "--model", s.model, "--tokenizer", s.tokenizer,
+                "--kv-events-port", str(events), "--replay-port", str(replay), "--instances", str(s.backends),
+                "--block-size", str(s.block_size), "--hash-algo", s.hash_algo, "--vllm-version", s.vllm_version,
+                "--speedup", str(s.speedup)]
+        if s.hash_seed is not None:
+            args += ["--hash-seed", s.hash_seed]
+        if s.num_blocks is not None:
+            args += ["--num-blocks", str(s.num_blocks)]
+        args += s.sim_args
+        self.child = Child(self.name, args, self.workdir / f"{self.name}.log")
+        self.engines = [
+            Engine(f"engine-{i}", f"http://127.0.0.1:{http + i}", f"tcp://127.0.0.1:{events + i}",
+                   f"tcp://127.0.0.1:{replay + i}")
+            for i in range(s.backends)
+        ]
+        try:
+            for e in self.engines:
+                wait_ready(e.url + "/health", self.child, timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        if self.child is not None:
+            self.child.stop()
+
+    def __enter__(self) -> Fleet:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def router_config(self, policy: str, port: int, weights: dict[str, Any] | None = None) -> dict[str, Any]:
+        """A router config (``router/config.py`` shape) for this fleet."""
+        s = self.spec
+        router: dict[str, Any] = {"host": "127.0.0.1", "port": port, "policy": policy}
+        if weights:
+            router["weights"] = weights
+        return {
+            "models": [{
+                "name": s.model, "tokenizer": s.tokenizer, "block_size": s.block_size, "hash_algo": s.hash_algo,
+                "hash_seed": s.hash_seed, "vllm_version": s.vllm_version,
+                "backends": [{"name": e.name, "url": e.url, "kv_events": e.kv_events, "kv_replay": e.kv_replay}
+                             for e in self.engines],
+            }],
+            "router": router,
+            "index": "memory",
+        }
+
+    def reset_caches(self) -> None:
+        """Empty every engine's prefix cache (vLLM's ``POST /reset_prefix_cache``)."""
+        for e in self.engines:
+            httpx.post(e.url + "/reset_prefix_cache", timeout=10.0)
+
+
+class Router:
+    """``kvrouter serve`` for a :class:`Fleet` with one policy, on a free port."""
+
+    def __init__(self, fleet: Fleet, policy: str, workdir: Path, *, weights: dict[str, Any] | None = None) -> None:
+        self.fleet = fleet
+        self.policy = policy
+        self.workdir = workdir
+        self.weights = weights
+        self.port = 0
+        self.child: Child | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 120.0) -> Router:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.port = free_port_run(1)
+        cfg_path = self.workdir / f"router-{self.policy}.yaml"
+        cfg_path.write_text(yaml.safe_dump(self.fleet.router_config(self.policy, self.port, self.weights)))
+        args = [*KVROUTER, "serve", "--config", str(cfg_path), "--port", str(self.port), "--policy", self.policy]
+        self.child = Child(f"router-{self.policy}", args, self.workdir / f"router-{self.policy}.log")
+        try:
+            wait_ready(self.url + "/health", self.child, timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        if self.child is not None:
+            self.child.stop()
+
+    def __enter__(self) -> Router:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def scrape(url: str, timeout_s: float = 5.0) -> dict[str, float]:
+    """A ``/metrics`` page as ``{name{labels}: value}`` summed over label sets per sample name.
+
+    Samples are keyed by bare name (labels dropped, values summed), which is what the
+    bench needs: one engine per URL, one router.
+    """
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = httpx.get(url, timeout=timeout_s)
+    r.raise_for_status()
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(r.text):
+        for s in fam.samples:
+            out[s.name] = out.get(s.name, 0.0) + float(s.value)
+    return out

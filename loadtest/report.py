@@ -1,0 +1,208 @@
+"""The bench report: ``report.md`` (one table, one row per policy) and matplotlib PNGs.
+
+Inputs are plain data so the report can be rebuilt from a finished run: the
+``results.json`` runs, and per policy the request records (send time, backend, TTFT,
+prompt and cached tokens) and the engine load samples the bench scraped. All times
+are engine seconds (see :mod:`loadtest.replay` on clocks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from loadtest.replay import RequestRecord
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSample:
+    """One scrape of one engine: engine seconds since the replay started, requests in it."""
+
+    t_s: float
+    backend: str
+    running: float
+    waiting: float
+
+
+@dataclass(slots=True)
+class PolicyTrace:
+    """What the plots need from one policy's run."""
+
+    policy: str
+    records: list[RequestRecord]
+    samples: list[LoadSample]
+    time_scale: float
+
+
+def imbalance(backend_requests: dict[str, int]) -> float | None:
+    """max/mean requests per backend (1.0 is perfect balance); None without backends."""
+    counts = [v for k, v in backend_requests.items() if k != "-"]
+    if not counts or sum(counts) == 0:
+        return None
+    return max(counts) / (sum(counts) / len(counts))
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1000:,.0f}"
+
+
+def _f(v: float | None, fmt: str) -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+COLUMNS = ("policy", "TTFT p50 ms", "TTFT p90 ms", "TTFT p99 ms", "e2e p50 ms", "e2e p99 ms", "output tok/s",
+           "cached ratio", "ideal ratio", "max/mean load", "router overhead ms", "errors")
+
+
+def table_rows(runs: list[dict[str, Any]]) -> list[list[str]]:
+    rows = []
+    for r in runs:
+        rows.append([
+            r["policy"], _ms(r["ttft_s"]["p50"]), _ms(r["ttft_s"]["p90"]), _ms(r["ttft_s"]["p99"]),
+            _ms(r["e2e_s"]["p50"]), _ms(r["e2e_s"]["p99"]), _f(r["output_tokens_per_s"], ",.0f"),
+            _f(r["cached_ratio"], ".3f"), _f(r.get("ideal_cached_ratio"), ".3f"), _f(r.get("load_imbalance"), ".2f"),
+            _f(r.get("router_overhead_ms"), ".2f"), f"{r['errors']}/{r['requests']}",
+        ])
+    return rows
+
+
+def markdown_table(runs: list[dict[str, Any]]) -> str:
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join(["---"] + ["---:"] * (len(COLUMNS) - 1)) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in table_rows(runs)]
+    return "\n".join(lines)
+
+
+def rich_table(runs: list[dict[str, Any]], title: str) -> Any:
+    from rich.table import Table
+
+    t = Table(title=title)
+    for i, c in enumerate(COLUMNS):
+        t.add_column(c, justify="left" if i == 0 else "right")
+    for row in table_rows(runs):
+        t.add_row(*row)
+    return t
+
+
+def comparison(runs: list[dict[str, Any]], base: str = "round_robin", best: str = "kv_aware") -> list[str]:
+    """Sentences comparing ``best`` with ``base`` (empty when either is missing)."""
+    by = {r["policy"]: r for r in runs}
+    if base not in by or best not in by:
+        return []
+    a, b = by[base], by[best]
+    out = []
+    pa, pb = a["ttft_s"]["p90"], b["ttft_s"]["p90"]
+    if pa and pb:
+        out.append(f"TTFT p90: {best} {pb * 1000:,.0f} ms vs {base} {pa * 1000:,.0f} ms, {pa / pb:.1f}x lower.")
+    out.append(f"Cached-token ratio: {best} {b['cached_ratio']:.3f} vs {base} {a['cached_ratio']:.3f}"
+               f" (ideal {b.get('ideal_cached_ratio') or 0:.3f}).")
+    if b.get("load_imbalance") is not None:
+        out.append(f"Load imbalance (max/mean requests per backend) under {best}: {b['load_imbalance']:.2f}.")
+    return out
+
+
+def write_markdown(path: Path, meta: dict[str, Any], runs: list[dict[str, Any]], plots: list[str]) -> None:
+    lines = [f"# kvrouter bench: {meta['workload']}", ""]
+    lines += [f"- {k}: {v}" for k, v in meta.items()]
+    lines += ["", markdown_table(runs), ""]
+    lines += [f"- {s}" for s in comparison(runs)]
+    lines += ["", "Times are engine seconds (wall time x the simulator's speedup). The ideal ratio is what one engine",
+              "with an infinite cache would reuse across the same prompts; router overhead is the median time of",
+              "the router's routing decision (`POST /debug/route` minus a `GET /health` round trip).", ""]
+    lines += [f"![{p}]({p})" for p in plots]
+    path.write_text("\n".join(lines) + "\n")
+
+
+# -- plots --------------------------------------------------------------------------------
+
+
+def _plt() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_ttft_cdf(traces: list[PolicyTrace], path: Path, title: str) -> None:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for tr in traces:
+        xs = sorted(r.ttft_s * tr.time_scale for r in tr.records if r.ok and r.ttft_s is not None)
+        if xs:
+            ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=tr.policy)
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT (s, log scale)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title(f"TTFT CDF: {title}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_backend_load(traces: list[PolicyTrace], path: Path, title: str) -> None:
+    plt = _plt()
+    fig, axes = plt.subplots(len(traces), 1, figsize=(8, 2.2 * len(traces) + 0.6), sharex=True, squeeze=False)
+    for ax, tr in zip(axes[:, 0], traces):
+        by: dict[str, list[LoadSample]] = {}
+        for s in tr.samples:
+            by.setdefault(s.backend, []).append(s)
+        if not by:
+            # No engine scrape for this run (a peer router): fall back to the requests it sent.
+            counts: dict[str, list[tuple[float, int]]] = {}
+            for r in sorted(tr.records, key=lambda r: r.sent_s):
+                seq = counts.setdefault(r.backend, [])
+                seq.append((r.sent_s * tr.time_scale, len(seq) + 1))
+            for name, seq in sorted(counts.items()):
+                ax.plot([t for t, _ in seq], [n for _, n in seq], label=name, lw=1)
+            ax.set_ylabel("requests sent")
+        for name, ss in sorted(by.items()):
+            ax.plot([s.t_s for s in ss], [s.running + s.waiting for s in ss], label=name, lw=1)
+            ax.set_ylabel("running+waiting")
+        ax.set_title(tr.policy, fontsize=10, loc="left")
+        ax.grid(True, alpha=0.3)
+    axes[0, 0].legend(fontsize=7, ncol=4, loc="upper right")
+    axes[-1, 0].set_xlabel("time (engine s)")
+    fig.suptitle(f"Per-backend load over time: {title}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_cached_ratio(traces: list[PolicyTrace], path: Path, title: str, ideal: float | None) -> None:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for tr in traces:
+        done = sorted((r for r in tr.records if r.ok and r.e2e_s is not None), key=lambda r: r.sent_s + (r.e2e_s or 0))
+        cached = prompt = 0
+        xs, ys = [], []
+        for r in done:
+            cached += r.cached_tokens
+            prompt += r.prompt_tokens
+            if prompt:
+                xs.append((r.sent_s + (r.e2e_s or 0)) * tr.time_scale)
+                ys.append(cached / prompt)
+        ax.plot(xs, ys, label=tr.policy)
+    if ideal is not None:
+        ax.axhline(ideal, ls="--", color="grey", label="ideal (infinite cache)")
+    ax.set_xlabel("time (engine s)")
+    ax.set_ylabel("cumulative cached / prompt tokens")
+    ax.set_ylim(0, 1)
+    ax.set_title(f"Cached-token ratio over time: {title}")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_plots(out: Path, traces: list[PolicyTrace], title: str, ideal: float | None, prefix: str = "") -> list[str]:
+    """Write the three PNGs into ``out``; returns their file names."""
+    names = [f"{prefix}ttft_cdf.png", f"{prefix}backend_load.png", f"{prefix}cached_ratio.png"]
+    plot_ttft_cdf(traces, out / names[0], title)
+    plot_backend_load(traces, out / names[1], title)
+    plot_cached_ratio(traces, out / names[2], title, ideal)
+    return names
