@@ -178,6 +178,8 @@ class _ModelIndex:
     * ``counts[(slot, medium)]`` is the number of keys whose mask has the slot's bit.
     * ``workers`` (slot -> Worker) and ``order`` ((medium, table) best tier first) are
       tuples replaced whole, so a lookup on another thread reads a consistent snapshot.
+
+    Writers hold :class:`MemoryIndex`'s lock; keys are already checked.
     """
 
     __slots__ = ("counts", "logs", "order", "slots", "spreads", "tables", "workers")
@@ -205,6 +207,46 @@ class _ModelIndex:
             table = self.tables[medium] = {}
             self.order = tuple(sorted(self.tables.items(), key=lambda mt: medium_rank(mt[0])))
         return table
+
+    def store(self, worker: Worker, keys: Sequence[int], medium: str) -> None:
+        slot = self.slot(worker)
+        bit = 1 << slot
+        table = self.table(medium)
+        get = table.get
+        logkey = (slot, medium)
+        log_ = self.logs.get(logkey)
+        if log_ is None:
+            log_ = self.logs[logkey] = array("Q")
+        append = log_.append
+        added = 0
+        for k in keys:
+            m = get(k, 0)
+            if not m & bit:
+                table[k] = m | bit
+                append(k)
+                added += 1
+        self.counts[logkey] = count = self.counts.get(logkey, 0) + added
+        if len(log_) > 2 * count + 4096:
+            self.logs[logkey] = array("Q", [k for k in dict.fromkeys(log_) if get(k, 0) & bit])
+
+    def remove(self, worker: Worker, keys: Sequence[int], medium: str) -> None:
+        slot = self.slots.get(worker)
+        table = self.tables.get(medium)
+        if slot is None or table is None:
+            return
+        logkey = (slot, medium)
+        self.counts[logkey] = self.counts.get(logkey, 0) - _drop(table, 1 << slot, keys)
+
+    def clear(self, worker: Worker) -> None:
+        slot = self.slots.get(worker)
+        if slot is None:
+            return
+        for medium, table in self.tables.items():
+            logkey = (slot, medium)
+            log_ = self.logs.pop(logkey, None)
+            if log_ is not None:
+                _drop(table, 1 << slot, log_)
+            self.counts.pop(logkey, None)
 
     def spread(self, mask: int) -> int:
         """``mask`` with slot ``s``'s bit moved to bit ``s * _FIELD``.
@@ -248,65 +290,37 @@ class MemoryIndex:
         return mi
 
     def apply(self, model: str, worker: Worker, batch: EventBatch) -> None:
-        for op in batch_ops(batch):
-            if op.kind == "store":
-                self.store(model, worker, op.keys, op.medium)
-            elif op.kind == "remove":
-                self.remove(model, worker, op.keys, op.medium)
-            else:
-                self.clear(model, worker)
+        """Apply the batch under one lock hold; its keys need no check (``to_keys`` ranges them)."""
+        ops = batch_ops(batch)
+        if not ops:
+            return
+        with self._lock:
+            mi = self._model(model)
+            for op in ops:
+                if op.kind == "store":
+                    mi.store(worker, op.keys, op.medium)
+                elif op.kind == "remove":
+                    mi.remove(worker, op.keys, op.medium)
+                else:
+                    mi.clear(worker)
 
     def store(self, model: str, worker: Worker, keys: Sequence[int], medium: str | None = DEFAULT_MEDIUM) -> None:
         validate_keys(keys)
-        medium = medium or DEFAULT_MEDIUM
         with self._lock:
-            mi = self._model(model)
-            slot = mi.slot(worker)
-            bit = 1 << slot
-            table = mi.table(medium)
-            get = table.get
-            logkey = (slot, medium)
-            log_ = mi.logs.get(logkey)
-            if log_ is None:
-                log_ = mi.logs[logkey] = array("Q")
-            append = log_.append
-            added = 0
-            for k in keys:
-                m = get(k, 0)
-                if not m & bit:
-                    table[k] = m | bit
-                    append(k)
-                    added += 1
-            mi.counts[logkey] = count = mi.counts.get(logkey, 0) + added
-            if len(log_) > 2 * count + 4096:
-                mi.logs[logkey] = array("Q", [k for k in dict.fromkeys(log_) if get(k, 0) & bit])
+            self._model(model).store(worker, keys, medium or DEFAULT_MEDIUM)
 
     def remove(self, model: str, worker: Worker, keys: Sequence[int], medium: str | None = DEFAULT_MEDIUM) -> None:
         validate_keys(keys)
-        medium = medium or DEFAULT_MEDIUM
         with self._lock:
             mi = self._models.get(model)
-            if mi is None:
-                return
-            slot = mi.slots.get(worker)
-            table = mi.tables.get(medium)
-            if slot is None or table is None:
-                return
-            logkey = (slot, medium)
-            mi.counts[logkey] = mi.counts.get(logkey, 0) - _drop(table, 1 << slot, keys)
+            if mi is not None:
+                mi.remove(worker, keys, medium or DEFAULT_MEDIUM)
 
     def clear(self, model: str, worker: Worker) -> None:
         with self._lock:
             mi = self._models.get(model)
-            slot = mi.slots.get(worker) if mi is not None else None
-            if mi is None or slot is None:
-                return
-            for medium, table in mi.tables.items():
-                logkey = (slot, medium)
-                log_ = mi.logs.pop(logkey, None)
-                if log_ is not None:
-                    _drop(table, 1 << slot, log_)
-                mi.counts.pop(logkey, None)
+            if mi is not None:
+                mi.clear(worker)
 
     async def lookup(self, model: str, keys: Sequence[int]) -> Hits:
         mi = self._models.get(model)
