@@ -89,13 +89,15 @@ class Model(_Strict):
 class KvAwareWeights(_Strict):
     """Weights of the kv_aware cost (see router/policies/kv_aware.py for the formula)."""
 
-    prefill: float = 1.0
-    decode: float = 1.0
-    cpu_tier: float = 0.5
-    storage_tier: float = 0.25
-    temperature: float = 0.0
-    imbalance_ratio: float = 1.25
-    speculative_ttl_s: float = 2.0
+    prefill: float = Field(default=1.0, ge=0.0)
+    decode: float = Field(default=1.0, ge=0.0)
+    cpu_tier: float = Field(default=0.5, ge=0.0, le=1.0)
+    storage_tier: float = Field(default=0.25, ge=0.0, le=1.0)
+    temperature: float = Field(default=0.0, ge=0.0)
+    imbalance_ratio: float = Field(default=1.25, ge=1.0)
+    imbalance_slack: int = Field(default=4, ge=0)
+    guard_min_saving: float = Field(default=0.5, ge=0.0, le=1.0)
+    speculative_ttl_s: float = Field(default=2.0, ge=0.0)
 
 
 class RouterSettings(_Strict):
@@ -111,6 +113,15 @@ class RouterSettings(_Strict):
     health_interval_s: float = Field(default=2.0, gt=0)
     metrics_scrape_interval_s: float = Field(default=1.0, gt=0)
     session_header: str = "x-session-id"
+    prefix_ttl_s: float = Field(default=120.0, gt=0)
+    prefix_max_blocks: int = Field(default=1_000_000, ge=1)
+    breaker_failures: int = Field(default=5, ge=1)
+    breaker_cooldown_s: float = Field(default=5.0, gt=0)
+    max_connections_per_backend: int = Field(default=512, ge=1)
+    inline_tokenize_bytes: int = Field(default=2048, ge=0)
+    subscribe_events: bool | None = None
+    """Follow the backends' KV-event streams in this process. Default: yes with the
+    in-memory index, no with Redis (the standalone ``kvrouter indexer`` fills it)."""
 
 
 class Config(_Strict):
@@ -124,6 +135,17 @@ class Config(_Strict):
         if v != "memory" and not v.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"index must be 'memory' or a Redis URL (redis://host:6379/0), got {v!r}")
         return v
+
+    @model_validator(mode="after")
+    def _shared_backends_agree(self) -> "Config":
+        # Backend state (health, load, connections) is kept per backend name, so a name
+        # listed under two models must be the same engine.
+        seen: dict[str, str] = {}
+        for m in self.models:
+            for b in m.backends:
+                if seen.setdefault(b.name, b.url) != b.url:
+                    raise ValueError(f"backend {b.name!r} is listed with two urls: {seen[b.name]} and {b.url}")
+        return self
 
     @model_validator(mode="after")
     def _unique_model_names(self) -> "Config":

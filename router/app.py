@@ -1,0 +1,696 @@
+"""The router's FastAPI app: OpenAI endpoints, /health, /metrics and /debug/*.
+
+One request: read the body (bounded), parse it once with msgspec, check the few fields
+routing needs (the engine validates the rest), tokenize exactly like vLLM (inline for
+small bodies, in a thread pool otherwise so a 100k-token prompt never stalls the event
+loop), hash into vLLM block keys, look the keys up in the index, let the model's policy
+choose, and hand the *original bytes* to :class:`router.proxy.ProxyResponse`.
+
+Completions with a list of prompts are routed on the first prompt (all are checked
+against ``max_model_len``): vLLM schedules each prompt as its own request, so only one
+of them can decide the backend, and batches usually share their prefix anyway.
+
+Errors are raised as :mod:`router.errors` exceptions and answered by the one handler
+registered here (and by :func:`router.errors.error_response` inside the proxy).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+from fastapi import FastAPI, Request
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+from starlette.responses import Response
+
+from indexer.hashing import BlockHasher
+from indexer.index import Index, MemoryIndex, Worker
+from router import metrics
+from router.backends import BackendPool
+from router.config import Config, Model
+from router.errors import (
+    BadRequest,
+    BodyTooLarge,
+    NoHealthyBackend,
+    PromptTooLong,
+    RouterError,
+    Unauthorized,
+    UnknownModel,
+    UpstreamError,
+    error_response,
+)
+from router.load import LoadTracker, scrape_forever
+from router.policies import make_policy
+from router.policies.base import Candidate, Decision, Policy, RequestCtx
+from router.proxy import ProxyResponse, forwarded_headers
+from router.tokenize import (
+    ParityGuard,
+    PromptTokenizer,
+    RemoteTokenizeError,
+    RemoteTokenizer,
+    TokenizeError,
+    UnsupportedPrompt,
+    load_tokenizer,
+)
+
+log = logging.getLogger(__name__)
+
+_decoder = msgspec.json.Decoder()
+_encoder = msgspec.json.Encoder()
+_STREAM_STATS_TTL_S = 0.5
+
+
+@dataclass
+class ModelRuntime:
+    """Everything one served model needs on the hot path, built once at start-up."""
+
+    config: Model
+    hasher: BlockHasher
+    policy: Policy
+    guard: ParityGuard
+    remote: RemoteTokenizer
+    backends: list[str]
+    tier_weights: dict[str, float]
+    tokenizer: PromptTokenizer | None = None
+    tokenizer_error: str | None = None
+    max_model_len: int | None = None
+    lora: dict[str, dict[str, Any]] = field(default_factory=dict)
+    has_events: bool = False
+
+
+@dataclass(slots=True)
+class Prepared:
+    """A request tokenized, hashed and matched, ready for a policy."""
+
+    runtime: ModelRuntime
+    token_ids: list[int]
+    ctx: RequestCtx
+    candidates: list[Candidate]
+    decision: Decision
+    forced_reason: str | None
+
+
+class Router:
+    """The router's live state: models, backends, load, index and event subscriber."""
+
+    def __init__(self, config: Config, index: Index | None = None) -> None:
+        self.config = config
+        self.settings = config.router
+        self.pool = BackendPool(config)
+        self.loads = LoadTracker(list(self.pool.backends))
+        self.index: Index = index if index is not None else _make_index(config.index)
+        self.executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tokenize")
+        self.models: dict[str, ModelRuntime] = {}
+        self.served: dict[str, tuple[ModelRuntime, dict[str, Any] | None]] = {}
+        for m in config.models:
+            w = self.settings.weights
+            rt = ModelRuntime(
+                config=m,
+                hasher=BlockHasher(m.hash_algo, m.block_size, m.hash_seed, m.vllm_version),
+                policy=make_policy(m.policy or self.settings.policy, config),
+                guard=ParityGuard(m.name, m.tokenizer_mode, m.parity_sample_rate),
+                remote=RemoteTokenizer(m.name),
+                backends=[b.name for b in m.backends],
+                tier_weights={"GPU": 1.0, "CPU": w.cpu_tier, "STORAGE": w.storage_tier, "DISK": w.storage_tier},
+                max_model_len=m.max_model_len,
+                has_events=any(b.kv_events for b in m.backends),
+            )
+            self.models[m.name] = rt
+            self.served[m.name] = (rt, None)
+            for a in m.lora_adapters:
+                lora = {"name": a.name, "path": a.path, "int_id": a.id}
+                rt.lora[a.name] = lora
+                self.served[a.name] = (rt, lora)
+        self.subscriber: Any = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._background: set[asyncio.Task[Any]] = set()
+        self._stream_stats: dict[Worker, Any] = {}
+        self._stream_stats_at = 0.0
+        self._unregister_metrics: Any = None
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        await asyncio.gather(*(self._load_tokenizer(loop, rt) for rt in self.models.values()))
+        if self._subscribes():
+            from indexer.subscriber import FleetSubscriber, specs_from_config
+            from indexer.verify import HashVerifier
+
+            verifiers = {
+                rt.config.name: HashVerifier(rt.hasher, {a.name: a.path for a in rt.config.lora_adapters})
+                for rt in self.models.values()
+            }
+            self.subscriber = FleetSubscriber(self.index, specs_from_config(self.config), verifiers=verifiers, metrics_registry=REGISTRY)
+            self.subscriber.start()
+        self._unregister_metrics = metrics.register_fleet(metrics.FleetCollector(self.pool, self.loads, self.stream_stats))
+        await self.pool.check_all()
+        self._tasks = [
+            asyncio.create_task(self._health_forever()),
+            asyncio.create_task(scrape_forever(self.pool, self.loads, self.settings.metrics_scrape_interval_s)),
+            asyncio.create_task(self._learn_max_model_len()),
+        ]
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.subscriber is not None:
+            await asyncio.to_thread(self.subscriber.stop)
+        if self._unregister_metrics is not None:
+            self._unregister_metrics()
+        await self.pool.aclose()
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        close = getattr(self.index, "aclose", None)
+        if close is not None:
+            await close()
+
+    def _subscribes(self) -> bool:
+        wanted = self.settings.subscribe_events
+        if wanted is None:
+            wanted = self.config.index == "memory"
+        return wanted and any(rt.has_events for rt in self.models.values())
+
+    async def _load_tokenizer(self, loop: asyncio.AbstractEventLoop, rt: ModelRuntime) -> None:
+        if rt.config.tokenizer_mode == "remote":
+            return
+        try:
+            rt.tokenizer = await loop.run_in_executor(self.executor, load_tokenizer, rt.config.tokenizer)
+        except TokenizeError as e:
+            if rt.config.tokenizer_mode == "local":
+                raise
+            rt.tokenizer_error = str(e)
+            log.warning("model %s: local tokenizer unavailable (%s); tokenizing remotely", rt.config.name, e)
+
+    async def _health_forever(self) -> None:
+        while True:
+            before = {n for n, b in self.pool.backends.items() if b.health_ok}
+            await self.pool.check_all()
+            for name in before:
+                if not self.pool.get(name).health_ok:
+                    self._forget_backend(name)
+            await asyncio.sleep(self.settings.health_interval_s)
+
+    def _forget_backend(self, name: str) -> None:
+        """An ejected backend's cache is presumed gone (restart): drop what the router knew."""
+        for rt in self.models.values():
+            if name not in rt.backends:
+                continue
+            for attr in ("speculative", "tree"):
+                approx = getattr(rt.policy, attr, None)
+                if approx is not None:
+                    approx.forget(name)
+            if self.subscriber is not None:
+                backend = self.pool.get(name).config
+                for rank in range(backend.data_parallel_size):
+                    self.subscriber.mark_dead(Worker(name, rank))
+
+    async def _learn_max_model_len(self) -> None:
+        """Models without ``max_model_len`` in the config take it from a backend's /v1/models."""
+        for rt in self.models.values():
+            if rt.max_model_len is not None:
+                continue
+            for name in rt.backends:
+                try:
+                    r = await self.pool.get(name).client.get("/v1/models", timeout=5.0)
+                    for entry in r.json().get("data", []):
+                        if entry.get("id") == rt.config.name and isinstance(entry.get("max_model_len"), int):
+                            rt.max_model_len = entry["max_model_len"]
+                except Exception as e:  # noqa: BLE001 - best effort; the engine still enforces its limit
+                    log.debug("max_model_len from %s failed: %r", name, e)
+                if rt.max_model_len is not None:
+                    break
+
+    def stream_stats(self) -> dict[Worker, Any]:
+        if self.subscriber is None:
+            return {}
+        now = time.monotonic()
+        if now - self._stream_stats_at > _STREAM_STATS_TTL_S:
+            self._stream_stats = self.subscriber.stats()
+            self._stream_stats_at = now
+        return self._stream_stats
+
+    def can_route(self) -> bool:
+        return all(any(self.pool.get(n).routable for n in rt.backends) for rt in self.models.values())
+
+    # -- the hot path ---------------------------------------------------------------
+
+    def runtime_for(self, body: dict[str, Any]) -> tuple[ModelRuntime, dict[str, Any] | None]:
+        model = body.get("model")
+        if not isinstance(model, str):
+            raise BadRequest("'model' is required and must be a string", code="missing_model")
+        served = self.served.get(model)
+        if served is None:
+            raise UnknownModel(f"The model `{model}` does not exist.")
+        return served
+
+    async def prepare(self, body: dict[str, Any], raw_len: int, kind: str, headers: Any) -> Prepared:
+        """Tokenize, hash, look up and decide (no side effects: /debug/route uses it too)."""
+        started = time.perf_counter()
+        rt, lora = self.runtime_for(body)
+        _validate_fields(body, kind)
+        forced_reason = None
+        try:
+            token_ids, all_lengths, keys = await self._tokens_and_keys(rt, body, kind, raw_len, lora)
+        except UnsupportedPrompt as e:
+            log.debug("routing without cache information: %s", e)
+            token_ids, all_lengths, keys, forced_reason = [], [], [], "fallback"
+        self._check_length(rt, body, all_lengths)
+        t_lookup = time.perf_counter()
+        hits = await self.index.lookup(rt.config.name, keys) if keys else {}
+        metrics.LOOKUP_SECONDS.labels(rt.config.name).observe(time.perf_counter() - t_lookup)
+        candidates = self._candidates(rt, hits)
+        if not any(c.healthy for c in candidates):
+            raise NoHealthyBackend(f"no healthy backend for model {rt.config.name!r}")
+        ctx = RequestCtx(
+            model=rt.config.name,
+            num_tokens=len(token_ids),
+            block_size=rt.config.block_size,
+            keys=keys,
+            session_key=_session_key(body, headers, self.settings.session_header),
+            events_connected=rt.has_events and self._events_connected(rt),
+        )
+        decision = rt.policy.choose(ctx, candidates)
+        if forced_reason is not None:
+            decision.reason = forced_reason
+        decision.detail["prepare_s"] = time.perf_counter() - started
+        return Prepared(rt, token_ids, ctx, candidates, decision, forced_reason)
+
+    async def _tokens_and_keys(
+        self, rt: ModelRuntime, body: dict[str, Any], kind: str, raw_len: int, lora: dict[str, Any] | None
+    ) -> tuple[list[int], list[int], list[int]]:
+        salt = body.get("cache_salt")
+        if salt is not None and not isinstance(salt, str):
+            raise BadRequest("'cache_salt' must be a string")
+        if rt.guard.mode == "remote" or rt.tokenizer is None:
+            prompts = await self._remote_prompts(rt, body, kind)
+            first = prompts[0] if prompts else []
+            keys = await self._offload(raw_len, self._hash, rt, first, lora, salt)
+            return first, [len(p) for p in prompts], keys
+        try:
+            first, lengths, keys = await self._offload(raw_len, self._local, rt, body, kind, lora, salt)
+        except (TokenizeError, RouterError):
+            raise
+        except Exception as e:  # noqa: BLE001 - a tokenizer crash must not fail the request
+            log.warning("local tokenization of %s failed (%r); asking a backend", rt.config.name, e)
+            metrics.TOKENIZER_FALLBACKS.labels(rt.config.name, "local_error").inc()
+            prompts = await self._remote_prompts(rt, body, kind)
+            first = prompts[0] if prompts else []
+            return first, [len(p) for p in prompts], rt.hasher.hash_blocks_int64(first, lora=lora, cache_salt=salt)
+        if rt.guard.should_check():
+            self._spawn(self._parity_check(rt, body, kind, first))
+        return first, lengths, keys
+
+    async def _offload(self, raw_len: int, fn: Any, *args: Any) -> Any:
+        """Run ``fn`` inline for small bodies (a thread hop costs more than the work) and
+        in the tokenizer pool otherwise, so long prompts never block the event loop."""
+        if raw_len <= self.settings.inline_tokenize_bytes:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    def _local(
+        self, rt: ModelRuntime, body: dict[str, Any], kind: str, lora: dict[str, Any] | None, salt: str | None
+    ) -> tuple[list[int], list[int], list[int]]:
+        tok = rt.tokenizer
+        assert tok is not None
+        t0 = time.perf_counter()
+        try:
+            if kind == "chat":
+                first = tok.chat_ids(body)
+                lengths = [len(first)]
+            else:
+                prompts = tok.completion_ids(body)
+                first = prompts[0] if prompts else []
+                lengths = [len(p) for p in prompts]
+        except UnsupportedPrompt:
+            raise
+        except TokenizeError as e:
+            raise BadRequest(str(e)) from e
+        t1 = time.perf_counter()
+        keys = rt.hasher.hash_blocks_int64(first, lora=lora, cache_salt=salt)
+        name = rt.config.name
+        metrics.TOKENIZE_SECONDS.labels(name).observe(t1 - t0)
+        metrics.HASH_SECONDS.labels(name).observe(time.perf_counter() - t1)
+        return first, lengths, keys
+
+    @staticmethod
+    def _hash(rt: ModelRuntime, ids: list[int], lora: dict[str, Any] | None, salt: str | None) -> list[int]:
+        t0 = time.perf_counter()
+        keys = rt.hasher.hash_blocks_int64(ids, lora=lora, cache_salt=salt)
+        metrics.HASH_SECONDS.labels(rt.config.name).observe(time.perf_counter() - t0)
+        return keys
+
+    async def _remote_prompts(self, rt: ModelRuntime, body: dict[str, Any], kind: str) -> list[list[int]]:
+        name = next((n for n in rt.backends if self.pool.get(n).routable), None)
+        if name is None:
+            raise NoHealthyBackend(f"no healthy backend for model {rt.config.name!r} to tokenize with")
+        backend = self.pool.get(name)
+        t0 = time.perf_counter()
+        try:
+            if kind == "chat":
+                prompts = [await rt.remote.chat_ids(backend.url, body, backend.client)]
+            else:
+                prompts = await rt.remote.completion_ids(backend.url, body, backend.client)
+        except TokenizeError as e:
+            raise BadRequest(str(e)) from e
+        except RemoteTokenizeError as e:
+            raise UpstreamError(f"remote tokenization failed: {e}") from e
+        metrics.TOKENIZE_SECONDS.labels(rt.config.name).observe(time.perf_counter() - t0)
+        return prompts
+
+    async def _parity_check(self, rt: ModelRuntime, body: dict[str, Any], kind: str, local_first: list[int]) -> None:
+        name = next((n for n in rt.backends if self.pool.get(n).routable), None)
+        if name is None:
+            return
+        backend = self.pool.get(name)
+        try:
+            if kind == "chat":
+                await rt.guard.check_chat(local_first, body, rt.remote, backend.url, backend.client)
+            else:
+                remote = await rt.remote.completion_ids(body=body, base_url=backend.url, client=backend.client)
+                rt.guard.record(local_first, remote[0] if remote else [])
+        except Exception as e:  # noqa: BLE001 - a failed sample check is only logged
+            log.debug("parity check against %s failed: %r", name, e)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    @staticmethod
+    def _check_length(rt: ModelRuntime, body: dict[str, Any], lengths: list[int]) -> None:
+        limit = rt.max_model_len
+        if limit is None or not lengths:
+            return
+        longest = max(lengths)
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        requested = longest + (max_tokens if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) else 0)
+        if longest >= limit or requested > limit:
+            raise PromptTooLong(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{requested} tokens ({longest} in the prompt, {requested - longest} for the completion). "
+                "Please reduce the length of the prompt or the completion."
+            )
+
+    def _events_connected(self, rt: ModelRuntime) -> bool:
+        stats = self.stream_stats()
+        return any(st.connected for w, st in stats.items() if w.backend in rt.backends)
+
+    def _candidates(self, rt: ModelRuntime, hits: dict[Worker, dict[str, int]]) -> list[Candidate]:
+        best: dict[str, tuple[int, float, int]] = {}
+        tiers = rt.tier_weights
+        for worker, media in hits.items():
+            matched = sum(media.values())
+            weighted = sum(n * tiers.get(m.upper(), tiers["STORAGE"]) for m, n in media.items())
+            prev = best.get(worker.backend)
+            if prev is None or (matched, weighted) > prev[:2]:
+                best[worker.backend] = (matched, weighted, worker.dp_rank)
+        out = []
+        for name in rt.backends:
+            matched, weighted, rank = best.get(name, (0, 0.0, 0))
+            out.append(Candidate(name, self.pool.get(name).routable, self.loads.get(name), matched, weighted, 0, rank))
+        return out
+
+    def commit(self, prepared: Prepared, backend: str) -> None:
+        """The request is being sent to ``backend``: let the policy learn, count the decision."""
+        rt, ctx, decision = prepared.runtime, prepared.ctx, prepared.decision
+        if backend != decision.backend:
+            decision = Decision(backend, "fallback", decision.order)
+        rt.policy.commit(ctx, decision)
+        name = rt.config.name
+        metrics.DECISIONS.labels(name, rt.policy.name, decision.reason).inc()
+        chosen = next(c for c in prepared.candidates if c.backend == backend)
+        metrics.MATCHED_BLOCKS.labels(name).observe(chosen.matched_blocks)
+        if ctx.num_tokens:
+            cached = chosen.predicted_cached_tokens(ctx.num_tokens, ctx.block_size)
+            metrics.PREDICTED_HIT_RATIO.labels(name).observe(cached / ctx.num_tokens)
+        if ctx.keys and rt.has_events and all(c.matched_blocks == 0 for c in prepared.candidates):
+            metrics.ZERO_BLOCK_REQUESTS.labels(name).inc()
+
+    def prefill_tokens(self, prepared: Prepared) -> dict[str, int]:
+        """Uncached prompt tokens per backend: the prefill work each would queue there
+        (blocks the router itself just sent there count as cached: see kv_aware)."""
+        n, bs = prepared.ctx.num_tokens, prepared.ctx.block_size
+        cap = (n - 1) // bs if n > 0 else 0
+        return {c.backend: n - min(max(c.matched_blocks, c.speculative_blocks), cap) * bs for c in prepared.candidates}
+
+    def pick_any(self, body: dict[str, Any]) -> tuple[ModelRuntime, list[str]]:
+        """Backends for pass-through endpoints (embeddings, tokenize): least loaded first."""
+        rt, _ = self.runtime_for(body)
+        names = [n for n in rt.backends if self.pool.get(n).routable]
+        if not names:
+            raise NoHealthyBackend(f"no healthy backend for model {rt.config.name!r}")
+        names.sort(key=lambda n: self.loads.get(n).effective_in_flight())
+        return rt, names
+
+
+def _make_index(spec: str) -> Index:
+    if spec == "memory":
+        return MemoryIndex()
+    from indexer.redis_index import RedisIndex
+
+    return RedisIndex(spec)
+
+
+def _validate_fields(body: dict[str, Any], kind: str) -> None:
+    if kind == "chat":
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise BadRequest("'messages' is required and must be a non-empty list", code="missing_messages")
+    elif "prompt" not in body or body["prompt"] is None:
+        raise BadRequest("'prompt' is required", code="missing_prompt")
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise BadRequest("'stream' must be a boolean")
+    for key in ("max_tokens", "max_completion_tokens"):
+        v = body.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            raise BadRequest(f"'{key}' must be a non-negative integer")
+
+
+def _session_key(body: dict[str, Any], headers: Any, header: str) -> str | None:
+    key = headers.get(header)
+    if key:
+        return key
+    user = body.get("user")
+    return user if isinstance(user, str) and user else None
+
+
+# -- HTTP layer ---------------------------------------------------------------------
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise BodyTooLarge(f"request body of {length} bytes is over the {limit}-byte limit")
+    if length is not None:
+        body = await request.body()
+    else:
+        chunks = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise BodyTooLarge(f"request body is over the {limit}-byte limit")
+            chunks.append(chunk)
+        body = b"".join(chunks)
+    if len(body) > limit:
+        raise BodyTooLarge(f"request body of {len(body)} bytes is over the {limit}-byte limit")
+    return body
+
+
+def _parse_json(raw: bytes) -> dict[str, Any]:
+    try:
+        body = _decoder.decode(raw)
+    except UnicodeDecodeError as e:
+        raise BadRequest(f"request body is not valid UTF-8: {e}", code="invalid_encoding") from None
+    except msgspec.DecodeError as e:
+        raise BadRequest(f"request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object", code="invalid_json")
+    return body
+
+
+def _json(obj: Any, status: int = 200) -> Response:
+    return Response(_encoder.encode(obj), status_code=status, media_type="application/json")
+
+
+def create_app(config: Config, index: Index | None = None) -> FastAPI:
+    router = Router(config, index)
+    settings = config.router
+    api_key = settings.api_key
+    expected_auth = f"Bearer {api_key}" if api_key else None
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await router.start()
+        try:
+            yield
+        finally:
+            await router.stop()
+
+    app = FastAPI(title="kvrouter", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.router = router
+
+    @app.exception_handler(RouterError)
+    async def _on_router_error(_: Request, exc: RouterError) -> Response:
+        metrics.REJECTED.labels(str(exc.status), exc.code).inc()
+        return error_response(exc)
+
+    def check_key(request: Request) -> None:
+        if expected_auth is not None and request.headers.get("authorization") != expected_auth:
+            raise Unauthorized("Incorrect API key provided.")
+
+    async def read_json(request: Request) -> tuple[bytes, dict[str, Any]]:
+        raw = await _read_body(request, settings.max_body_bytes)
+        return raw, _parse_json(raw)
+
+    async def openai(request: Request, kind: str, path: str) -> Response:
+        started = time.perf_counter()
+        check_key(request)
+        raw, body = await read_json(request)
+        prepared = await router.prepare(body, len(raw), kind, request.headers)
+        return ProxyResponse(
+            pool=router.pool,
+            loads=router.loads,
+            order=prepared.decision.order,
+            method="POST",
+            path=path,
+            body=raw,
+            headers=forwarded_headers(request.headers),
+            stream=body.get("stream") is True,
+            keys=prepared.ctx.keys,
+            prefill_tokens=router.prefill_tokens(prepared),
+            model=prepared.runtime.config.name,
+            policy=prepared.runtime.policy.name,
+            started=started,
+            retries=settings.retries,
+            on_routed=lambda backend: router.commit(prepared, backend),
+        )
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await openai(request, "chat", "/v1/chat/completions")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await openai(request, "completion", "/v1/completions")
+
+    async def passthrough(request: Request, path: str) -> Response:
+        started = time.perf_counter()
+        check_key(request)
+        raw, body = await read_json(request)
+        rt, order = router.pick_any(body)
+        return ProxyResponse(
+            pool=router.pool,
+            loads=router.loads,
+            order=order,
+            method="POST",
+            path=path,
+            body=raw,
+            headers=forwarded_headers(request.headers),
+            stream=False,
+            keys=[],
+            prefill_tokens={},
+            model=rt.config.name,
+            policy="passthrough",
+            started=started,
+            retries=settings.retries,
+        )
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        return await passthrough(request, "/v1/embeddings")
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await passthrough(request, "/tokenize")
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await passthrough(request, "/detokenize")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        check_key(request)
+        data = []
+        for rt in router.models.values():
+            data.append({"id": rt.config.name, "object": "model", "created": 0, "owned_by": "kvrouter", "root": rt.config.name, "parent": None, "max_model_len": rt.max_model_len})
+            for a in rt.config.lora_adapters:
+                data.append({"id": a.name, "object": "model", "created": 0, "owned_by": "kvrouter", "root": a.path, "parent": rt.config.name, "max_model_len": rt.max_model_len})
+        return _json({"object": "list", "data": data})
+
+    @app.get("/health")
+    async def health() -> Response:
+        if router.can_route():
+            return _json({"status": "ok"})
+        return _json({"status": "unavailable", "reason": "a model has no healthy backend"}, 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/debug/route")
+    async def debug_route(request: Request) -> Response:
+        check_key(request)
+        raw, body = await read_json(request)
+        kind = "chat" if "messages" in body else "completion"
+        prepared = await router.prepare(body, len(raw), kind, request.headers)
+        ctx, decision = prepared.ctx, prepared.decision
+        answer: dict[str, Any] = {
+            "backend": decision.backend,
+            "policy": prepared.runtime.policy.name,
+            "reason": decision.reason,
+            "model": prepared.runtime.config.name,
+            "num_tokens": ctx.num_tokens,
+            "block_size": ctx.block_size,
+            "num_blocks": len(ctx.keys),
+            "order": decision.order,
+            "events_connected": ctx.events_connected,
+            "candidates": [
+                {
+                    "backend": c.backend,
+                    "healthy": c.healthy,
+                    "matched_blocks": c.matched_blocks,
+                    "predicted_cached_tokens": c.predicted_cached_tokens(ctx.num_tokens, ctx.block_size),
+                    "speculative_blocks": c.speculative_blocks,
+                    "weighted_blocks": c.weighted_blocks,
+                    "dp_rank": c.best_rank,
+                    "load": c.load.snapshot(),
+                    "score": c.score,
+                }
+                for c in prepared.candidates
+            ],
+        }
+        if request.query_params.get("include_tokens", "").lower() in ("1", "true", "yes"):
+            answer["token_ids"] = prepared.token_ids
+        return _json(answer)
+
+    @app.get("/debug/backends")
+    async def debug_backends(request: Request) -> Response:
+        check_key(request)
+        stats = router.stream_stats()
+        out = []
+        for name, b in router.pool.backends.items():
+            entry: dict[str, Any] = b.describe()
+            entry["models"] = [rt.config.name for rt in router.models.values() if name in rt.backends]
+            entry["load"] = router.loads.get(name).snapshot()
+            streams = [{"dp_rank": w.dp_rank, **dataclasses.asdict(st)} for w, st in sorted(stats.items()) if w.backend == name]
+            entry["event_streams"] = streams
+            entry["connected"] = bool(streams) and all(s["connected"] for s in streams)
+            entry["last_seq"] = streams[0]["last_seq"] if streams else None
+            for k in ("gaps", "replays", "blocks"):
+                entry[k] = sum(s[k] for s in streams)
+            entry["rehash_mode"] = any(s["rehash_mode"] for s in streams)
+            out.append(entry)
+        return _json({"backends": out})
+
+    return app

@@ -1,0 +1,138 @@
+"""Backend health: active checks, passive ejection, re-admission and a circuit breaker.
+
+A backend is *routable* when its last health check passed and its circuit is not
+open. Two signals feed that:
+
+- the health loop polls ``GET /health`` every ``health_interval_s``: one failure ejects
+  the backend, one success re-admits it;
+- the proxy reports every upstream outcome: a connect error ejects at once (the
+  process is gone; waiting for the next check would send it more requests), and
+  ``breaker_failures`` consecutive failures (5xx, resets, timeouts) open the circuit
+  for ``breaker_cooldown_s``, doubling on each re-open up to 60 s. After the cooldown
+  the circuit is half-open: the next request is a trial and its success closes it.
+
+Each backend owns one pooled keep-alive ``httpx.AsyncClient`` (HTTP/1.1, limits
+sized for streaming concurrency), shared by proxying, health checks and scrapes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import httpx
+
+from router.config import Backend, Config, RouterSettings
+
+log = logging.getLogger(__name__)
+
+MAX_COOLDOWN_S = 60.0
+
+
+class BackendState:
+    """One engine's connection pool and health. Mutated only on the event loop."""
+
+    def __init__(self, backend: Backend, settings: RouterSettings) -> None:
+        self.name = backend.name
+        self.url = backend.url
+        self.config = backend
+        self.settings = settings
+        self.client = httpx.AsyncClient(
+            base_url=backend.url,
+            timeout=httpx.Timeout(settings.request_timeout_s, connect=settings.connect_timeout_s),
+            limits=httpx.Limits(
+                max_connections=settings.max_connections_per_backend,
+                max_keepalive_connections=settings.max_connections_per_backend,
+                keepalive_expiry=30.0,
+            ),
+        )
+        self.health_ok = True
+        self.consecutive_failures = 0
+        self.circuit_open_until = 0.0
+        self.cooldown_s = settings.breaker_cooldown_s
+        self.ejections = 0
+        self.last_error: str | None = None
+
+    @property
+    def routable(self) -> bool:
+        return self.health_ok and time.monotonic() >= self.circuit_open_until
+
+    @property
+    def circuit_open(self) -> bool:
+        return time.monotonic() < self.circuit_open_until
+
+    def record_success(self) -> None:
+        self.consecutive_failures = 0
+        self.cooldown_s = self.settings.breaker_cooldown_s
+
+    def record_failure(self, reason: str, *, connect_error: bool = False) -> None:
+        self.last_error = reason
+        self.consecutive_failures += 1
+        if connect_error and self.health_ok:
+            self.eject(reason)
+        if self.consecutive_failures >= self.settings.breaker_failures and not self.circuit_open:
+            self.circuit_open_until = time.monotonic() + self.cooldown_s
+            log.warning("circuit open for %s for %.1fs after %d failures (%s)", self.name, self.cooldown_s, self.consecutive_failures, reason)
+            self.cooldown_s = min(MAX_COOLDOWN_S, self.cooldown_s * 2)
+            self.consecutive_failures = 0
+
+    def eject(self, reason: str) -> None:
+        if self.health_ok:
+            self.ejections += 1
+            log.warning("backend %s ejected: %s", self.name, reason)
+        self.health_ok = False
+        self.last_error = reason
+
+    def admit(self) -> None:
+        if not self.health_ok:
+            log.info("backend %s re-admitted", self.name)
+        self.health_ok = True
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "name": self.name,
+            "url": self.url,
+            "healthy": self.routable,
+            "health_check_ok": self.health_ok,
+            "circuit_open": self.circuit_open,
+            "ejections": self.ejections,
+            "last_error": self.last_error,
+        }
+
+
+class BackendPool:
+    """Every configured backend by name (a backend serving two models is one state)."""
+
+    def __init__(self, config: Config) -> None:
+        self.settings = config.router
+        self.backends: dict[str, BackendState] = {}
+        for m in config.models:
+            for b in m.backends:
+                if b.name not in self.backends:
+                    self.backends[b.name] = BackendState(b, config.router)
+
+    def get(self, name: str) -> BackendState:
+        return self.backends[name]
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self._check(b) for b in self.backends.values()))
+
+    async def health_forever(self) -> None:
+        while True:
+            await self.check_all()
+            await asyncio.sleep(self.settings.health_interval_s)
+
+    async def _check(self, b: BackendState) -> None:
+        try:
+            r = await b.client.get("/health", timeout=min(5.0, max(1.0, self.settings.health_interval_s)))
+        except httpx.HTTPError as e:
+            b.eject(f"health check failed: {e!r}")
+            return
+        if r.status_code == 200:
+            b.admit()
+        else:
+            b.eject(f"health check answered {r.status_code}")
+
+    async def aclose(self) -> None:
+        await asyncio.gather(*(b.client.aclose() for b in self.backends.values()))

@@ -1,0 +1,192 @@
+"""Per-backend load: what the router itself has in flight, plus each engine's scraped gauges.
+
+The router's own counters are exact and instant (a burst is visible before any engine
+reports it); the scraped ``/metrics`` gauges see traffic from other routers and the
+engine's real queue. Policies read both through :meth:`BackendLoad.snapshot`.
+
+Invariant: every :class:`Ticket` is released exactly once, whatever path the request
+took (success, upstream error, timeout, client disconnect, retry on another backend),
+so the counters return to zero when the router is idle. ``release`` is idempotent and
+the proxy calls it from ``finally`` blocks; tests hammer every path and check zero.
+
+KV blocks in use are counted as *unique* block keys over the backend's active
+requests (a refcount per key), like Dynamo's active-sequence tracker: 200 requests
+sharing a 4k-token prefix hold that prefix once, so a cache-affine burst does not look
+200 times heavier than it is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from prometheus_client.parser import text_string_to_metric_families
+
+if TYPE_CHECKING:
+    from router.backends import BackendPool
+
+log = logging.getLogger(__name__)
+
+SCRAPED_GAUGES = ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc")
+
+
+class BackendLoad:
+    """Load of one backend. Mutated only on the event loop (no locks needed)."""
+
+    __slots__ = (
+        "name",
+        "in_flight",
+        "prefill_tokens",
+        "decode_seqs",
+        "block_refs",
+        "scraped_waiting",
+        "scraped_running",
+        "scraped_kv_usage",
+        "scraped_at",
+    )
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.in_flight = 0
+        self.prefill_tokens = 0
+        self.decode_seqs = 0
+        self.block_refs: dict[int, int] = {}
+        self.scraped_waiting: float | None = None
+        self.scraped_running: float | None = None
+        self.scraped_kv_usage: float | None = None
+        self.scraped_at: float | None = None
+
+    @property
+    def active_blocks(self) -> int:
+        return len(self.block_refs)
+
+    def effective_in_flight(self) -> float:
+        """Requests on the engine: the router's own count, or the engine's if it sees more
+        (other routers, or a queue the router cannot see)."""
+        scraped = (self.scraped_waiting or 0.0) + (self.scraped_running or 0.0)
+        return max(float(self.in_flight), scraped)
+
+    def snapshot(self) -> dict[str, float | int | None]:
+        return {
+            "in_flight": self.in_flight,
+            "prefill_tokens": self.prefill_tokens,
+            "decode_seqs": self.decode_seqs,
+            "active_blocks": len(self.block_refs),
+            "scraped_waiting": self.scraped_waiting,
+            "scraped_running": self.scraped_running,
+            "scraped_kv_cache_usage": self.scraped_kv_usage,
+        }
+
+
+class Ticket:
+    """One request's share of a backend's load, from routing until the response ends.
+
+    ``prefill`` are the tokens the engine must compute before the first token (the
+    uncached part of the prompt); they move out of ``prefill_tokens`` at the first
+    streamed byte, and the request then counts as one decode sequence.
+    """
+
+    __slots__ = ("load", "keys", "prefill", "phase")
+
+    def __init__(self, load: BackendLoad, keys: list[int], prefill: int) -> None:
+        self.load = load
+        self.keys = keys
+        self.prefill = prefill
+        self.phase = 0
+        load.in_flight += 1
+        load.prefill_tokens += prefill
+        refs = load.block_refs
+        for k in keys:
+            refs[k] = refs.get(k, 0) + 1
+
+    def first_token(self) -> None:
+        if self.phase == 0:
+            self.phase = 1
+            self.load.prefill_tokens -= self.prefill
+            self.load.decode_seqs += 1
+
+    def release(self) -> None:
+        if self.phase == 2:
+            return
+        load = self.load
+        if self.phase == 0:
+            load.prefill_tokens -= self.prefill
+        else:
+            load.decode_seqs -= 1
+        self.phase = 2
+        load.in_flight -= 1
+        refs = load.block_refs
+        for k in self.keys:
+            n = refs.get(k, 0)
+            if n <= 1:
+                refs.pop(k, None)
+            else:
+                refs[k] = n - 1
+
+
+class LoadTracker:
+    """The loads of every configured backend, by name."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.backends: dict[str, BackendLoad] = {n: BackendLoad(n) for n in names}
+
+    def acquire(self, backend: str, keys: list[int], prefill_tokens: int) -> Ticket:
+        return Ticket(self.backends[backend], keys, prefill_tokens)
+
+    def get(self, backend: str) -> BackendLoad:
+        return self.backends[backend]
+
+    def idle(self) -> bool:
+        return all(
+            b.in_flight == 0 and b.prefill_tokens == 0 and b.decode_seqs == 0 and not b.block_refs
+            for b in self.backends.values()
+        )
+
+
+def parse_vllm_metrics(text: str) -> dict[str, float]:
+    """Sum of each scraped gauge over its label sets (one per DP engine / model).
+
+    Only the three lines of interest go to the Prometheus parser: a vLLM ``/metrics``
+    page is mostly histogram buckets the router does not need. ``kv_cache_usage_perc``
+    is averaged over its series instead of summed (it is a fraction per engine).
+    """
+    wanted = "\n".join(line for line in text.splitlines() if line.startswith(SCRAPED_GAUGES) or (
+        line.startswith("# TYPE ") and line[7:].split(" ", 1)[0] in SCRAPED_GAUGES
+    ))
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for family in text_string_to_metric_families(wanted + "\n"):
+        for sample in family.samples:
+            if sample.name in SCRAPED_GAUGES:
+                sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
+                counts[sample.name] = counts.get(sample.name, 0) + 1
+    usage = "vllm:kv_cache_usage_perc"
+    if usage in sums:
+        sums[usage] /= counts[usage]
+    return sums
+
+
+async def scrape_forever(pool: BackendPool, tracker: LoadTracker, interval_s: float) -> None:
+    """Every ``interval_s``, read each backend's gauges; a failed scrape clears them
+    (stale numbers would keep steering traffic by a picture that is gone)."""
+    while True:
+        started = time.monotonic()
+        await asyncio.gather(*(_scrape_one(pool, tracker, name) for name in tracker.backends))
+        await asyncio.sleep(max(0.0, interval_s - (time.monotonic() - started)))
+
+
+async def _scrape_one(pool: BackendPool, tracker: LoadTracker, name: str) -> None:
+    load = tracker.get(name)
+    backend = pool.get(name)
+    try:
+        r = await backend.client.get("/metrics", timeout=max(0.5, pool.settings.metrics_scrape_interval_s))
+        values = parse_vllm_metrics(r.text) if r.status_code == 200 else {}
+    except Exception as e:  # noqa: BLE001 - any scrape failure only clears the second signal
+        log.debug("metrics scrape of %s failed: %r", name, e)
+        values = {}
+    load.scraped_waiting = values.get("vllm:num_requests_waiting")
+    load.scraped_running = values.get("vllm:num_requests_running")
+    load.scraped_kv_usage = values.get("vllm:kv_cache_usage_perc")
+    load.scraped_at = time.time() if values else None

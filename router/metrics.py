@@ -1,0 +1,138 @@
+"""The router's Prometheus series (all prefixed ``kvrouter_``).
+
+Per-request series are plain counters and histograms updated on the hot path (label
+children are cached by prometheus-client after the first use). Backend load, health
+and event-stream state are read at scrape time by :class:`FleetCollector` from the
+live objects, so the hot path never updates a gauge.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import REGISTRY, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from indexer.index import Worker
+    from indexer.subscriber import StreamStats
+    from router.backends import BackendPool
+    from router.load import LoadTracker
+
+_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+_BLOCK_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+REQUESTS = Counter(
+    "kvrouter_requests", "Requests proxied, by model, backend, policy and final HTTP status",
+    ["model", "backend", "policy", "status"],
+)
+REJECTED = Counter(
+    "kvrouter_rejected_requests", "Requests the router answered itself with an error, by status and code",
+    ["status", "code"],
+)
+DECISIONS = Counter(
+    "kvrouter_routing_decisions", "Routing decisions by model, policy and reason (cache_hit, load_guard, no_events, fallback, ...)",
+    ["model", "policy", "reason"],
+)
+RETRIES = Counter(
+    "kvrouter_upstream_retries", "Requests re-sent to another backend before the first byte, by the backend that failed and why",
+    ["backend", "reason"],
+)
+UPSTREAM_FAILURES = Counter(
+    "kvrouter_upstream_failures", "Upstream failures by backend and kind (connect, timeout, reset, status_5xx)",
+    ["backend", "kind"],
+)
+CLIENT_DISCONNECTS = Counter(
+    "kvrouter_client_disconnects", "Streams cancelled because the client went away (upstream cancelled)", ["backend"],
+)
+PREDICTED_HIT_RATIO = Histogram(
+    "kvrouter_predicted_hit_ratio", "predicted_cached_tokens / prompt tokens on the chosen backend",
+    ["model"], buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0),
+)
+MATCHED_BLOCKS = Histogram(
+    "kvrouter_matched_blocks", "Leading blocks the index held on the chosen backend", ["model"], buckets=_BLOCK_BUCKETS,
+)
+ZERO_BLOCK_REQUESTS = Counter(
+    "kvrouter_zero_block_requests",
+    "Requests with at least one full block that matched nothing on any backend (a silent-degradation alarm "
+    "when it approaches the request rate: wrong seed/algo/block size or dead event streams)",
+    ["model"],
+)
+TOKENIZE_SECONDS = Histogram("kvrouter_tokenize_seconds", "Prompt tokenization time", ["model"], buckets=_LATENCY_BUCKETS)
+HASH_SECONDS = Histogram("kvrouter_hash_seconds", "Block hashing time", ["model"], buckets=_LATENCY_BUCKETS)
+LOOKUP_SECONDS = Histogram("kvrouter_lookup_seconds", "Index lookup time", ["model"], buckets=_LATENCY_BUCKETS)
+OVERHEAD_SECONDS = Histogram(
+    "kvrouter_overhead_seconds", "Router time from request received to upstream request sent", ["model"],
+    buckets=_LATENCY_BUCKETS,
+)
+TOKENIZER_FALLBACKS = Counter(
+    "kvrouter_tokenizer_fallbacks", "Requests tokenized remotely because local tokenization was unavailable or switched off",
+    ["model", "reason"],
+)
+
+
+class FleetCollector(Collector):
+    """Backend load, health and event-stream gauges, read from live state at scrape time."""
+
+    def __init__(
+        self,
+        pool: BackendPool,
+        loads: LoadTracker,
+        stream_stats: Callable[[], dict[Worker, StreamStats]],
+    ) -> None:
+        self.pool = pool
+        self.loads = loads
+        self.stream_stats = stream_stats
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        fams = {
+            "healthy": GaugeMetricFamily("kvrouter_backend_healthy", "1 when the backend is routable", labels=["backend"]),
+            "circuit": GaugeMetricFamily("kvrouter_backend_circuit_open", "1 while the circuit breaker is open", labels=["backend"]),
+            "ejections": GaugeMetricFamily("kvrouter_backend_ejections", "Times the backend was ejected", labels=["backend"]),
+            "in_flight": GaugeMetricFamily("kvrouter_backend_in_flight_requests", "Requests in flight from this router", labels=["backend"]),
+            "prefill": GaugeMetricFamily("kvrouter_backend_prefill_tokens", "Uncached prompt tokens awaiting their first token", labels=["backend"]),
+            "decode": GaugeMetricFamily("kvrouter_backend_decode_sequences", "Sequences past their first token", labels=["backend"]),
+            "blocks": GaugeMetricFamily("kvrouter_backend_active_blocks", "Unique KV blocks of in-flight requests", labels=["backend"]),
+            "waiting": GaugeMetricFamily("kvrouter_backend_scraped_waiting", "vllm:num_requests_waiting as last scraped", labels=["backend"]),
+            "running": GaugeMetricFamily("kvrouter_backend_scraped_running", "vllm:num_requests_running as last scraped", labels=["backend"]),
+            "usage": GaugeMetricFamily("kvrouter_backend_scraped_kv_cache_usage", "vllm:kv_cache_usage_perc as last scraped", labels=["backend"]),
+        }
+        for name, b in self.pool.backends.items():
+            fams["healthy"].add_metric([name], 1.0 if b.routable else 0.0)
+            fams["circuit"].add_metric([name], 1.0 if b.circuit_open else 0.0)
+            fams["ejections"].add_metric([name], float(b.ejections))
+            load = self.loads.get(name)
+            fams["in_flight"].add_metric([name], float(load.in_flight))
+            fams["prefill"].add_metric([name], float(load.prefill_tokens))
+            fams["decode"].add_metric([name], float(load.decode_seqs))
+            fams["blocks"].add_metric([name], float(load.active_blocks))
+            for key, value in (("waiting", load.scraped_waiting), ("running", load.scraped_running), ("usage", load.scraped_kv_usage)):
+                if value is not None:
+                    fams[key].add_metric([name], value)
+        yield from fams.values()
+        labels = ["backend", "dp_rank"]
+        stream = {
+            "connected": GaugeMetricFamily("kvrouter_event_stream_connected", "1 while the KV-event stream is connected", labels=labels),
+            "last_seq": GaugeMetricFamily("kvrouter_event_stream_last_seq", "Last event batch seq applied", labels=labels),
+            "gaps": GaugeMetricFamily("kvrouter_event_stream_gaps", "Seq gaps detected", labels=labels),
+            "replays": GaugeMetricFamily("kvrouter_event_stream_replays", "Replays requested", labels=labels),
+            "blocks": GaugeMetricFamily("kvrouter_event_stream_blocks", "Blocks stored by the stream's events", labels=labels),
+            "rehash": GaugeMetricFamily("kvrouter_event_stream_rehash_mode", "1 while indexed with router-computed hashes", labels=labels),
+        }
+        for worker, st in self.stream_stats().items():
+            lv = [worker.backend, str(worker.dp_rank)]
+            stream["connected"].add_metric(lv, 1.0 if st.connected else 0.0)
+            stream["last_seq"].add_metric(lv, float(st.last_seq if st.last_seq is not None else -1))
+            stream["gaps"].add_metric(lv, float(st.gaps))
+            stream["replays"].add_metric(lv, float(st.replays))
+            stream["blocks"].add_metric(lv, float(st.blocks))
+            stream["rehash"].add_metric(lv, 1.0 if st.rehash_mode else 0.0)
+        yield from stream.values()
+
+
+def register_fleet(collector: FleetCollector) -> Callable[[], None]:
+    """Register ``collector`` on the default registry; returns the function that removes it."""
+    REGISTRY.register(collector)
+    return lambda: REGISTRY.unregister(collector)

@@ -1,0 +1,126 @@
+"""kv_aware (the default): exact prefix-cache hits from the index, balanced against load.
+
+The cost of sending a request of ``n`` tokens (``N = ceil(n / B)`` blocks of ``B``
+tokens) to backend ``b``, lower is better, in KV blocks::
+
+    hit_b      = min(max(Σ_tier w_tier · blocks_tier(b), spec(b)), (n - 1) // B)
+    uncached_b = n - hit_b · B
+    queue_b    = max(0, prefill_tokens(b) - inflight_hit(b) · B)
+    cost_b     = w_prefill · (uncached_b + queue_b) / B
+               + w_decode  · (active_blocks(b) + N - matched(b))
+
+- ``blocks_tier(b)``: leading blocks the index says ``b`` holds, weighted by tier
+  (GPU 1.0, CPU ``cpu_tier``, storage ``storage_tier``); a block found in a slower tier
+  saves less than one on the GPU. For a data-parallel backend the best rank counts
+  (vLLM's own DP balancer places the request on a rank; the router cannot pick it).
+- ``spec(b)``: leading blocks the router *sent* to ``b`` within ``speculative_ttl_s``
+  (speculative insertion), so a burst sharing a new prefix follows its first request
+  before the engine's events for it arrive.
+- The cap at ``(n - 1) // B`` is vLLM's: the last token is always recomputed.
+- ``prefill_tokens(b)``: uncached prompt tokens of requests the router sent to ``b``
+  that have not produced a first token yet (Dynamo's "prefill tokens already queued").
+  ``inflight_hit(b) = max(0, spec(b) - matched(b))`` are this request's prefix blocks
+  that are *being* prefilled there by an earlier request: that part of the queue is work
+  this request would wait for anyway and then share, so it is not charged twice.
+- ``active_blocks(b)``: unique KV blocks held by the router's in-flight requests on ``b``
+  (shared prefixes counted once); ``N - matched(b)`` the blocks this request would add.
+
+This is Dynamo's KV router shape (``overlap_weight · prefill_blocks + decode_blocks``)
+with tier weights and the in-flight-prefix correction added.
+
+Choice: the lowest cost, ties broken at random; with ``temperature > 0`` a softmax over
+costs normalised to [0, 1] samples instead (spreads load across near-equal backends).
+
+Imbalance guard: a prefix shared by *every* request (a Mooncake trace's first block, a
+fleet-wide system prompt) gives whichever backend saw it first a small but constant
+edge. When the chosen backend has more than ``imbalance_ratio × in_flight(least
+loaded) + imbalance_slack`` requests and its cache saves less than ``guard_min_saving``
+of the prompt compared to the least-loaded backend, the request goes to the least-loaded
+one instead (reason ``load_guard``). Long shared prefixes (a 4k-token document) save
+most of the prompt and are never overridden.
+
+Reasons: ``cache_hit`` (chosen backend holds the longest indexed prefix),
+``speculative_hit`` (only the router's recent decisions put it there), ``load_balance``
+(another backend held more, load outweighed it), ``load_guard``, ``no_events`` (no
+backend of the model has a connected event stream and nothing was sent recently),
+``no_hit`` (events flow, nobody holds the prefix).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+from router.config import KvAwareWeights
+from router.policies.approx_index import ApproxPrefixIndex
+from router.policies.base import Candidate, Decision, RequestCtx, healthy, mark_unroutable
+
+
+class KvAware:
+    name = "kv_aware"
+
+    def __init__(self, weights: KvAwareWeights, max_blocks: int, rng: random.Random | None = None) -> None:
+        self.w = weights
+        self.speculative = ApproxPrefixIndex(weights.speculative_ttl_s, max_blocks)
+        self._rng = rng or random.Random()
+
+    def choose(self, ctx: RequestCtx, candidates: list[Candidate]) -> Decision:
+        w = self.w
+        n = ctx.num_tokens
+        bs = ctx.block_size
+        n_blocks = -(-n // bs)
+        cap = (n - 1) // bs if n > 0 else 0
+        spec = self.speculative.match(ctx.keys) if len(self.speculative) else {}
+        for c in candidates:
+            s = spec.get(c.backend, 0)
+            c.speculative_blocks = s
+            matched = max(c.matched_blocks, s)
+            hit = min(max(c.weighted_blocks, float(s)), float(cap))
+            inflight_hit = max(0, s - c.matched_blocks)
+            queue = max(0, c.load.prefill_tokens - inflight_hit * bs)
+            c.score = w.prefill * ((n - hit * bs) + queue) / bs + w.decode * (c.load.active_blocks + n_blocks - matched)
+        mark_unroutable(candidates)
+        pool = healthy(candidates)
+        ranked = sorted(pool, key=lambda c: (c.score, self._rng.random()))
+        best = self._sample(ranked) if w.temperature > 0 and len(ranked) > 1 else ranked[0]
+
+        guard = self._guard(best, pool, n, cap, bs)
+        chosen = guard or best
+        order = [chosen.backend] + [c.backend for c in ranked if c is not chosen]
+        reason = "load_guard" if guard else self._reason(chosen, pool, ctx)
+        detail: dict[str, float | int | str] = {"cost": chosen.score, "matched_blocks": chosen.matched_blocks, "speculative_blocks": chosen.speculative_blocks}
+        return Decision(chosen.backend, reason, order, detail)
+
+    def commit(self, ctx: RequestCtx, decision: Decision) -> None:
+        self.speculative.insert(ctx.keys, decision.backend)
+
+    def _sample(self, ranked: list[Candidate]) -> Candidate:
+        lo, hi = ranked[0].score, ranked[-1].score
+        span = (hi - lo) or 1.0
+        weights = [math.exp(-((c.score - lo) / span) / self.w.temperature) for c in ranked]
+        return self._rng.choices(ranked, weights=weights)[0]
+
+    def _guard(self, best: Candidate, pool: list[Candidate], n: int, cap: int, bs: int) -> Candidate | None:
+        least = min(pool, key=lambda c: (c.load.effective_in_flight(), self._rng.random()))
+        if least is best:
+            return None
+        if best.load.effective_in_flight() <= self.w.imbalance_ratio * least.load.effective_in_flight() + self.w.imbalance_slack:
+            return None
+
+        def hit_tokens(c: Candidate) -> float:
+            return min(max(c.weighted_blocks, float(c.speculative_blocks)), float(cap)) * bs
+
+        saving = hit_tokens(best) - hit_tokens(least)
+        if n > 0 and saving >= self.w.guard_min_saving * n:
+            return None
+        return least
+
+    @staticmethod
+    def _reason(chosen: Candidate, pool: list[Candidate], ctx: RequestCtx) -> str:
+        most = max(max(c.matched_blocks, c.speculative_blocks) for c in pool)
+        mine = max(chosen.matched_blocks, chosen.speculative_blocks)
+        if most == 0:
+            return "no_hit" if ctx.events_connected else "no_events"
+        if mine < most:
+            return "load_balance"
+        return "cache_hit" if chosen.matched_blocks >= chosen.speculative_blocks else "speculative_hit"

@@ -1,0 +1,58 @@
+"""prefix_approx: cache affinity without KV events, from the router's own decisions.
+
+Like SGLang's cache_aware and Dynamo's approximate mode, the router remembers which
+backend it sent each prefix to (block keys with a TTL, :class:`ApproxPrefixIndex`) and
+assumes the engine still caches it. A request goes to the backend that was sent the
+longest prefix when that covers at least half the prompt, unless that backend is
+overloaded (``imbalance_ratio`` × the least loaded + ``imbalance_slack`` requests);
+otherwise to the least-loaded backend (in-flight tokens). Serves fleets whose engines
+run without ``--kv-events-config``.
+
+``matched_blocks`` in this policy's candidates is the remembered prefix length: the
+approximate tree is its index.
+"""
+
+from __future__ import annotations
+
+import random
+
+from router.config import KvAwareWeights
+from router.policies.approx_index import ApproxPrefixIndex
+from router.policies.base import Candidate, Decision, RequestCtx, healthy, in_flight_tokens, mark_unroutable
+
+MIN_MATCH_FRACTION = 0.5
+
+
+class PrefixApprox:
+    name = "prefix_approx"
+
+    def __init__(self, ttl_s: float, max_blocks: int, weights: KvAwareWeights, rng: random.Random | None = None) -> None:
+        self.tree = ApproxPrefixIndex(ttl_s, max_blocks)
+        self.w = weights
+        self._rng = rng or random.Random()
+
+    def choose(self, ctx: RequestCtx, candidates: list[Candidate]) -> Decision:
+        matches = self.tree.match(ctx.keys) if ctx.keys else {}
+        for c in candidates:
+            c.matched_blocks = matches.get(c.backend, 0)
+            c.weighted_blocks = float(c.matched_blocks)
+        pool = healthy(candidates)
+        least = min(pool, key=lambda c: (in_flight_tokens(c, ctx.block_size), self._rng.random()))
+        best = max(pool, key=lambda c: (c.matched_blocks, -in_flight_tokens(c, ctx.block_size), self._rng.random()))
+        n_blocks = len(ctx.keys)
+        reason = "no_hit"
+        chosen = least
+        if best.matched_blocks > 0 and best.matched_blocks >= MIN_MATCH_FRACTION * n_blocks:
+            overloaded = best.load.effective_in_flight() > (
+                self.w.imbalance_ratio * least.load.effective_in_flight() + self.w.imbalance_slack
+            )
+            chosen, reason = (least, "load_guard") if overloaded else (best, "approx_hit")
+        for c in candidates:
+            c.score = float(n_blocks - c.matched_blocks) + in_flight_tokens(c, ctx.block_size) / max(1, ctx.num_tokens)
+        chosen.score = min(c.score for c in pool) - 1.0
+        mark_unroutable(candidates)
+        order = [chosen.backend] + [c.backend for c in sorted(pool, key=lambda c: c.score) if c is not chosen]
+        return Decision(chosen.backend, reason, order, {"matched_blocks": chosen.matched_blocks})
+
+    def commit(self, ctx: RequestCtx, decision: Decision) -> None:
+        self.tree.insert(ctx.keys, decision.backend)

@@ -1,0 +1,250 @@
+"""Upstream calls: pooled connections, retries before the first byte, streaming, cancellation.
+
+:class:`ProxyResponse` is an ASGI response that does the whole upstream exchange while
+watching the client connection:
+
+- it tries the decision's backends in order; a connect error, a connection closed
+  before any response byte, or a 502/503 answer moves to the next backend (at most
+  ``retries`` times). Nothing is retried once a response byte has been received, so a
+  request is never generated twice for one client;
+- the response is relayed chunk by chunk as it arrives (``aiter_raw``, no buffering,
+  no re-encoding) for streams, and in one piece for non-streamed answers;
+- a client disconnect cancels the work: the upstream response is closed, which closes
+  its connection, which makes vLLM abort the request;
+- the request's load :class:`~router.load.Ticket` is taken per attempt and released in
+  ``finally`` on every path; the prefill share moves to decode at the first body chunk.
+
+A failure after the response started cannot change its status: an SSE stream gets a
+final ``data: {"error": ...}`` event (what vLLM itself sends) and is then closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import httpx
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from router import metrics
+from router.backends import BackendPool, BackendState
+from router.errors import RouterError, UpstreamError, UpstreamTimeout, error_body, error_response
+from router.load import LoadTracker, Ticket
+
+log = logging.getLogger(__name__)
+
+FORWARDED_REQUEST_HEADERS = ("authorization", "content-type", "accept", "x-request-id", "traceparent", "user-agent")
+RELAYED_RESPONSE_HEADERS = (b"content-type", b"x-request-id", b"cache-control")
+BACKEND_HEADER = b"x-kvrouter-backend"
+
+_NO_BYTE_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+"""Errors raised by ``send`` before any response byte arrived: safe to try elsewhere."""
+
+
+def forwarded_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    out = {k: v for k in FORWARDED_REQUEST_HEADERS if (v := headers.get(k)) is not None}
+    out.setdefault("content-type", "application/json")
+    return out
+
+
+class ProxyResponse(Response):
+    """Sends one request upstream and relays the answer (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        pool: BackendPool,
+        loads: LoadTracker,
+        order: list[str],
+        method: str,
+        path: str,
+        body: bytes,
+        headers: dict[str, str],
+        stream: bool,
+        keys: list[int],
+        prefill_tokens: Mapping[str, int],
+        model: str,
+        policy: str,
+        started: float,
+        retries: int,
+        on_routed: Any = None,
+    ) -> None:
+        self.status_code = 200
+        self.background = None
+        self._pool = pool
+        self._loads = loads
+        self._order = order
+        self._method = method
+        self._path = path
+        self._body = body
+        self._headers = headers
+        self._stream = stream
+        self._keys = keys
+        self._prefill = prefill_tokens
+        self._model = model
+        self._policy = policy
+        self._started = started
+        self._retries = retries
+        self._on_routed = on_routed
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        main = asyncio.ensure_future(self._run(send))
+        watcher = asyncio.ensure_future(_wait_disconnect(receive))
+        try:
+            done, _ = await asyncio.wait((main, watcher), return_when=asyncio.FIRST_COMPLETED)
+            if main not in done:
+                main.cancel()
+                await asyncio.gather(main, return_exceptions=True)
+            else:
+                main.result()
+        finally:
+            watcher.cancel()
+
+    async def _run(self, send: Send) -> None:
+        status = 499
+        backend_name = self._order[0] if self._order else "none"
+        ticket: Ticket | None = None
+        upstream: httpx.Response | None = None
+        try:
+            try:
+                backend, ticket, upstream = await self._connect()
+            except RouterError as e:
+                status = e.status
+                backend_name = getattr(e, "backend", backend_name)
+                await error_response(e)({"type": "http"}, _no_receive, send)
+                return
+            backend_name = backend.name
+            status = upstream.status_code
+            headers = [(k, v) for k, v in upstream.headers.raw if k.lower() in RELAYED_RESPONSE_HEADERS]
+            headers.append((BACKEND_HEADER, backend.name.encode()))
+            if self._stream and status == 200:
+                status = await self._relay_stream(send, backend, ticket, upstream, headers)
+            else:
+                status = await self._relay_whole(send, backend, ticket, upstream, headers)
+        except asyncio.CancelledError:
+            status = 499
+            metrics.CLIENT_DISCONNECTS.labels(backend_name).inc()
+            raise
+        finally:
+            if ticket is not None:
+                ticket.release()
+            if upstream is not None:
+                await upstream.aclose()
+            metrics.REQUESTS.labels(self._model, backend_name, self._policy, str(status)).inc()
+
+    async def _connect(self) -> tuple[BackendState, Ticket, httpx.Response]:
+        last: RouterError = UpstreamError("no backend could be tried")
+        tried = 0
+        for name in self._order:
+            if tried > self._retries:
+                break
+            backend = self._pool.get(name)
+            if tried > 0 and not backend.routable:
+                continue
+            tried += 1
+            ticket = self._loads.acquire(name, self._keys, self._prefill.get(name, 0))
+            if tried == 1:
+                metrics.OVERHEAD_SECONDS.labels(self._model).observe(time.perf_counter() - self._started)
+                if self._on_routed is not None:
+                    self._on_routed(name)
+            try:
+                request = backend.client.build_request(self._method, self._path, content=self._body, headers=self._headers)
+                upstream = await backend.client.send(request, stream=True)
+            except _NO_BYTE_ERRORS as e:
+                ticket.release()
+                kind = "connect" if isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)) else "reset"
+                backend.record_failure(f"{kind}: {e!r}", connect_error=kind == "connect")
+                metrics.UPSTREAM_FAILURES.labels(name, kind).inc()
+                metrics.RETRIES.labels(name, kind).inc()
+                last = UpstreamError(f"backend {name} failed before answering ({kind}: {e!r})")
+                last.backend = name  # type: ignore[attr-defined]
+                continue
+            except httpx.TimeoutException as e:
+                ticket.release()
+                backend.record_failure(f"timeout: {e!r}")
+                metrics.UPSTREAM_FAILURES.labels(name, "timeout").inc()
+                err = UpstreamTimeout(f"backend {name} did not answer in time")
+                err.backend = name  # type: ignore[attr-defined]
+                raise err from e
+            except BaseException:
+                ticket.release()
+                raise
+            if upstream.status_code in (502, 503) and tried <= self._retries and self._has_next(name):
+                await upstream.aclose()
+                ticket.release()
+                backend.record_failure(f"answered {upstream.status_code}")
+                metrics.UPSTREAM_FAILURES.labels(name, f"status_{upstream.status_code}").inc()
+                metrics.RETRIES.labels(name, f"status_{upstream.status_code}").inc()
+                continue
+            if tried > 1:
+                metrics.DECISIONS.labels(self._model, self._policy, "fallback").inc()
+            return backend, ticket, upstream
+        raise last
+
+    def _has_next(self, name: str) -> bool:
+        i = self._order.index(name)
+        return any(self._pool.get(n).routable for n in self._order[i + 1 :])
+
+    async def _relay_whole(
+        self, send: Send, backend: BackendState, ticket: Ticket, upstream: httpx.Response, headers: list[tuple[bytes, bytes]]
+    ) -> int:
+        try:
+            body = await upstream.aread()
+        except httpx.TimeoutException:
+            backend.record_failure("read timeout")
+            metrics.UPSTREAM_FAILURES.labels(backend.name, "timeout").inc()
+            await error_response(UpstreamTimeout(f"backend {backend.name} did not finish in time"))({"type": "http"}, _no_receive, send)
+            return 504
+        except httpx.HTTPError as e:
+            backend.record_failure(f"reset: {e!r}")
+            metrics.UPSTREAM_FAILURES.labels(backend.name, "reset").inc()
+            await error_response(UpstreamError(f"backend {backend.name} failed mid-response: {e!r}"))({"type": "http"}, _no_receive, send)
+            return 502
+        ticket.first_token()
+        status = upstream.status_code
+        if status >= 500:
+            backend.record_failure(f"answered {status}")
+            metrics.UPSTREAM_FAILURES.labels(backend.name, f"status_{status}").inc()
+        else:
+            backend.record_success()
+        headers.append((b"content-length", str(len(body)).encode()))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+        return status
+
+    async def _relay_stream(
+        self, send: Send, backend: BackendState, ticket: Ticket, upstream: httpx.Response, headers: list[tuple[bytes, bytes]]
+    ) -> int:
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        first = True
+        try:
+            async for chunk in upstream.aiter_raw():
+                if first:
+                    ticket.first_token()
+                    first = False
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except httpx.HTTPError as e:
+            kind = "timeout" if isinstance(e, httpx.TimeoutException) else "reset"
+            backend.record_failure(f"{kind} mid-stream: {e!r}")
+            metrics.UPSTREAM_FAILURES.labels(backend.name, kind).inc()
+            event = error_body(f"backend {backend.name} failed mid-stream: {e!r}", "server_error", "upstream_error")
+            await send({"type": "http.response.body", "body": b"data: " + event + b"\n\n", "more_body": False})
+            return 502
+        backend.record_success()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return 200
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _no_receive() -> dict[str, Any]:
+    return {"type": "http.disconnect"}
