@@ -75,6 +75,7 @@ __all__ = ["FleetSubscriber", "StreamSpec", "StreamStats", "specs_from_config", 
 
 log = logging.getLogger(__name__)
 
+_NEVER = float("inf")
 _RECENT_MAX = 4096
 """Applied batches remembered (seq -> hash of payload) to tell duplicates from restarts."""
 
@@ -222,6 +223,7 @@ class _Replay:
     reason: str
     msgs: dict[int, bytes] = field(default_factory=dict)
     replied_min: int | None = None
+    replied_max: int | None = None
 
 
 class _Stream:
@@ -548,6 +550,7 @@ class FleetSubscriber:
             seq, payload = item
             r.msgs[seq] = payload
             r.replied_min = seq if r.replied_min is None else min(r.replied_min, seq)
+            r.replied_max = seq if r.replied_max is None else max(r.replied_max, seq)
 
     def _tick(self, now: float) -> None:
         for st in list(self._streams.values()):
@@ -610,9 +613,17 @@ class FleetSubscriber:
             for seq in sorted(msgs):
                 self._on_live(st, seq, msgs[seq])
             return
+        # Holes at or below ``answered`` are history the engine no longer holds; holes above
+        # it were published after the engine answered (and dropped): they are asked again.
+        if timed_out:
+            answered = _NEVER
+        elif r.replied_max is not None:
+            answered = r.replied_max
+        else:
+            answered = r.start - 1
         if r.anchor_hash is None and st.expected is not None:
-            # The anchor batch fell out of our recent map (cannot happen with a bounded gap);
-            # nothing to compare against, so treat the stream as lost and start over.
+            # The anchor fell out of the recent map (it cannot with a bounded gap): nothing to
+            # compare against, so treat the stream as lost and start over.
             self._lose(st, "anchor unknown")
             self._resync_with(st, msgs)
             return
@@ -622,7 +633,7 @@ class FleetSubscriber:
                 if timed_out or (r.replied_min is not None and r.replied_min > r.start):
                     # No answer, or the engine's buffer moved past the anchor: whatever is
                     # still missing is counted as lost by the run below.
-                    self._apply_run(st, msgs, fresh=False)
+                    self._apply_run(st, msgs, st.expected, answered)
                     return
                 self._restart(st, f"engine no longer holds seq {r.start}")
                 self._resync_with(st, msgs)
@@ -631,30 +642,36 @@ class FleetSubscriber:
                 self._restart(st, f"engine's batch {r.start} differs from the one applied")
                 self._resync_with(st, msgs)
                 return
-            self._apply_run(st, msgs, fresh=False)
+            self._apply_run(st, msgs, st.expected, answered)
             return
-        if timed_out and msgs:
-            log.warning("kv events %s: no replay answer; starting at seq %d", _name(st), min(msgs))
-        self._apply_run(st, msgs, fresh=True)
+        if r.replied_min is not None:
+            start = r.replied_min
+        elif timed_out and msgs:
+            start = min(msgs)
+        else:
+            start = 0
+        if start > 0:
+            log.info("kv events %s: joined at seq %d (earlier history not available)", _name(st), start)
+        self._apply_run(st, msgs, start, answered)
 
     def _resync_with(self, st: _Stream, msgs: dict[int, bytes]) -> None:
         st.expected = None
         st.recent.clear()
         if st.spec.replay_endpoint is not None and st.stats.connected:
             self._begin_replay(st, "sync", pending=msgs)
-        else:
-            self._apply_run(st, msgs, fresh=True)
+        elif msgs:
+            self._apply_run(st, msgs, min(msgs), _NEVER)
 
-    def _apply_run(self, st: _Stream, msgs: dict[int, bytes], *, fresh: bool) -> None:
-        """Apply ``msgs`` in seq order from ``expected`` (or from the lowest when ``fresh``).
+    def _apply_run(self, st: _Stream, msgs: dict[int, bytes], seq: int | None, answered: float) -> None:
+        """Apply ``msgs`` in seq order from ``seq``; seqs already applied are dropped.
 
-        A hole inside the run is history the engine no longer holds: the worker is cleared
-        and application resumes at the next held batch (a suffix of history never
-        over-claims). Seqs already applied are dropped.
+        A hole at or below ``answered`` is history the engine no longer holds: the worker
+        is cleared and application resumes at the next held batch (a suffix of history
+        never over-claims). A hole above it is asked for again by a new replay that keeps
+        the rest of ``msgs`` as its pending live messages.
         """
-        seq = st.expected if st.expected is not None else (min(msgs) if msgs else 0)
-        if fresh and seq > 0 and msgs:
-            log.info("kv events %s: joined at seq %d (earlier history not available)", _name(st), seq)
+        if seq is None:
+            seq = min(msgs) if msgs else 0
         while msgs:
             payload = msgs.pop(seq, None)
             if payload is not None:
@@ -665,6 +682,10 @@ class FleetSubscriber:
             if nxt < seq:
                 del msgs[nxt]
                 continue
+            if seq > answered and st.spec.replay_endpoint is not None:
+                self._count(st, "gaps")
+                self._begin_replay(st, "gap", pending=msgs)
+                return
             self._lose(st, f"seqs {seq}..{nxt - 1} are gone from the engine's buffer")
             seq = nxt
 
