@@ -16,7 +16,7 @@ inside the script), clearing a worker is an ``UNLINK`` of its sets (freed by Red
 background thread, no SCAN and no per-block work), and ``SCARD`` is the block count.
 
 A lookup is one ``EVALSHA`` round trip: the script reads the registry, then for each
-worker walks the chain in growing chunks (64, 128, ... 4096 keys, so a worker that
+worker walks the chain in growing chunks (16, 32, ... 4096 keys, so a worker that
 misses early costs little) and stops at its first miss. The script is read-only
 (``flags=no-writes``) so it also runs on replicas. Writes go through one pipeline per
 call (``apply``: one per event batch). Needs Redis >= 7.0 (shebang flags) or Valkey;
@@ -77,7 +77,7 @@ for _, wid in ipairs(order) do
   table.sort(media, function(a, b) return a[1] < b[1] end)
   local counts = {}
   for j = 1, #media do counts[j] = 0 end
-  local first, size, done = 1, 64, false
+  local first, size, done = 1, 16, false
   while first <= n and not done do
     local last = math.min(first + size - 1, n)
     local members = chunk(first, last)
@@ -85,13 +85,22 @@ for _, wid in ipairs(order) do
     for j = 1, #media do
       held[j] = redis.call('SMISMEMBER', media[j][3], unpack(members))
     end
-    for i = 1, last - first + 1 do
-      local best = 0
-      for j = 1, #media do
-        if held[j][i] == 1 then best = j break end
+    if #media == 1 then
+      local h, c = held[1], 0
+      for i = 1, last - first + 1 do
+        if h[i] == 0 then done = true break end
+        c = c + 1
       end
-      if best == 0 then done = true break end
-      counts[best] = counts[best] + 1
+      counts[1] = counts[1] + c
+    else
+      for i = 1, last - first + 1 do
+        local best = 0
+        for j = 1, #media do
+          if held[j][i] == 1 then best = j break end
+        end
+        if best == 0 then done = true break end
+        counts[best] = counts[best] + 1
+      end
     end
     first = last + 1
     if size < 4096 then size = size * 2 end

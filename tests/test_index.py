@@ -90,7 +90,7 @@ def test_empty_request_and_unknown_model_match_nothing(h: Harness) -> None:
     assert h.lookup([1, 2], model="other") == {}
 
 
-@pytest.mark.parametrize("n", [1, 63, 64, 65, 192, 193, 4097, 8192])
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 48, 49, 496, 497, 4080, 4081, 8192])
 def test_long_chains_match_exactly_across_chunk_boundaries(h: Harness, n: int) -> None:
     keys = [random.getrandbits(64) for _ in range(n)]
     h.index.store(M, A, keys)
