@@ -101,6 +101,8 @@ class _WorkerState:
     rehash: bool = False
     diagnosis: str | None = None
     samples: deque[_Sample] = field(default_factory=lambda: deque(maxlen=4))
+    matched_ever: bool = False
+    ambiguous_roots: int = 0
 
 
 @dataclass
@@ -227,6 +229,7 @@ class HashVerifier:
                     digest = self.hasher.hash_block(parent, ev.token_ids[i * size : (i + 1) * size], keys)
                     if _same(digest, engine_hash):
                         counts.match += 1
+                        st.matched_ever = True
                         st.window.append(True)
                     elif definitive:
                         counts.mismatch += 1
@@ -235,12 +238,31 @@ class HashVerifier:
                             st.samples.append(self._sample(ev, i))
                     else:
                         digest = None
+                        if i == 0 and ev.parent_block_hash is None:
+                            self._ambiguous_root(st, ev)
             if digest is None:
                 counts.unverifiable += 1
             digests[i] = digest
             self._hold(st, to_key(engine_hash), digest, medium)
             parent = digest
         return digests
+
+    def _ambiguous_root(self, st: _WorkerState, ev: BlockStored) -> None:
+        """A first block mismatched, but the event cannot say whether it had a salt or image.
+
+        Such blocks never switch modes (a salted fleet would look misconfigured), but a
+        stream where not one first block ever matches is almost surely misconfigured:
+        say so once, with the diagnosis.
+        """
+        st.samples.append(self._sample(ev, 0))
+        st.ambiguous_roots += 1
+        if st.ambiguous_roots == self._window and not st.matched_ever:
+            log.warning(
+                "kv events: none of %d first blocks verified and vLLM %s events carry no extra keys "
+                "to tell cache_salt/multimodal blocks from a wrong config; unless all traffic is "
+                "salted, check the config: %s",
+                st.ambiguous_roots, self.hasher.vllm_version, self._diagnose(st),
+            )
 
     def _parent_digest(self, st: _WorkerState, parent: int | bytes | None) -> bytes | None:
         if parent is None:
@@ -354,31 +376,35 @@ def _alternatives(sample: _Sample, current: BlockHasher, lora_paths: dict[str, s
     versions = list(dict.fromkeys([current.vllm_version, *_DIAGNOSE_VERSIONS]))
     ev = BlockStored([sample.engine_hash], None, list(sample.tokens), sample.block_size, sample.lora_id, None,
                      sample.lora_name, [sample.extra] if sample.extra is not None else None)
-    found = []
+    found: list[tuple[str, ...]] = []
     for algo in ALGOS:
         for seed in seeds:
             for version in versions:
                 try:
                     hasher = BlockHasher(algo, sample.block_size, seed, version)
-                except HashConfigError:
-                    continue
-                try:
-                    keys, _ = _extra_keys(hasher.dialect, ev, 0, lora_paths, True)
+                    keys, _ = _extra_keys(hasher.dialect, ev, 0, lora_paths, sample.extra is not None)
                 except (_UnknownKeys, HashConfigError):
                     continue
-                if _same(hasher.hash_block(None, list(sample.tokens), keys), sample.engine_hash):
-                    diffs = [
-                        f"{name}={value!r}"
-                        for name, value, now in (
-                            ("hash_algo", algo, current.algo),
-                            ("hash_seed", seed, current.seed),
-                            ("vllm_version", version, current.vllm_version),
-                        )
-                        if value != now
-                    ]
-                    if diffs:
-                        found.append(", ".join(diffs))
-    return list(dict.fromkeys(found))
+                if not _same(hasher.hash_block(None, list(sample.tokens), keys), sample.engine_hash):
+                    continue
+                diffs = tuple(
+                    f"{name}={_show(value)}"
+                    for name, value, now in (
+                        ("hash_algo", algo, current.algo),
+                        ("hash_seed", seed, current.seed),
+                        ("vllm_version", version, current.vllm_version),
+                    )
+                    if value != now
+                )
+                if diffs and diffs not in found:
+                    found.append(diffs)
+    # Keep the smallest changes: a version that hashes unkeyed blocks alike adds nothing.
+    minimal = [d for d in found if not any(set(o) < set(d) for o in found)]
+    return [", ".join(d) for d in minimal]
+
+
+def _show(value: str | None) -> str:
+    return "null (PYTHONHASHSEED unset)" if value is None else repr(value)
 
 
 def _extra_keys(
