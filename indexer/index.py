@@ -47,6 +47,7 @@ __all__ = [
     "Index",
     "InvalidKey",
     "MemoryIndex",
+    "Op",
     "Worker",
     "batch_ops",
     "medium_rank",
