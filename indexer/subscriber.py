@@ -310,6 +310,11 @@ class FleetSubscriber:
             self._ctx.term() if not thread.is_alive() else self._ctx.destroy(linger=0)
             self._ctx = None
 
+    @property
+    def running(self) -> bool:
+        """True while the ingest thread is alive."""
+        return self._thread is not None and self._thread.is_alive()
+
     def update_specs(self, specs: Iterable[StreamSpec]) -> None:
         """Follow exactly ``specs`` from now on; a worker no longer listed is purged from the index."""
         new = _unique(list(specs))

@@ -48,7 +48,7 @@ from indexer.events import (
 from indexer.hashing import ALGOS, BlockHasher, Dialect, HashConfigError, to_int64
 from indexer.index import Worker
 
-__all__ = ["HashVerifier", "VerifyOutcome"]
+__all__ = ["HashVerifier", "VerifyOutcome", "verifiers_from_config"]
 
 log = logging.getLogger(__name__)
 
@@ -368,6 +368,24 @@ class HashVerifier:
             f"reproduces the engine's hash: the engines likely run with an unset PYTHONHASHSEED on vLLM < 0.30 "
             f"or an xxhash algorithm (random NONE_HASH per process), or with another seed (config: {current})"
         )
+
+
+def verifiers_from_config(config: Any) -> dict[str, HashVerifier]:
+    """One verifier per model of a ``router.config.Config``, keyed by model name.
+
+    A model whose hashes cannot be reproduced at all (:class:`HashConfigError`, e.g. an
+    unset PYTHONHASHSEED on vLLM < 0.30) gets none, with a warning: there is nothing to
+    verify against, and the router reports that model's hashing error itself.
+    """
+    out: dict[str, HashVerifier] = {}
+    for model in config.models:
+        try:
+            hasher = BlockHasher(model.hash_algo, model.block_size, model.hash_seed, model.vllm_version)
+        except HashConfigError as e:
+            log.warning("model %s: hash verification off: %s", model.name, e)
+            continue
+        out[model.name] = HashVerifier(hasher, {a.name: a.path for a in model.lora_adapters})
+    return out
 
 
 def _alternatives(sample: _Sample, current: BlockHasher, lora_paths: dict[str, str]) -> list[str]:

@@ -1,0 +1,91 @@
+"""``kvrouter indexer`` as a real process: engine events in, a Redis index the routers can read."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import yaml
+
+from indexer.events import BlockStored, EventBatch, encode_batch
+from indexer.hashing import BlockHasher
+from indexer.index import Worker
+from indexer.redis_index import RedisIndex
+from kvpub import EnginePublisher
+from support import KVROUTER, QWEN3_DIR, Proc, free_port, wait_http
+
+MODEL = "qwen3-0.6b"
+
+
+def write_config(path: Path, engine: EnginePublisher, redis_url: str) -> Path:
+    config = {
+        "models": [{
+            "name": MODEL, "tokenizer": str(QWEN3_DIR), "block_size": 16, "hash_algo": "sha256",
+            "hash_seed": "0", "vllm_version": "0.33.0",
+            "backends": [{"name": "engine-0", "url": "http://127.0.0.1:9", "kv_events": engine.endpoint,
+                          "kv_replay": engine.replay_endpoint}],
+        }],
+        "index": redis_url,
+    }
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def test_indexer_process_fills_redis_and_serves_health_and_metrics(tmp_path: Path, redis_url: str) -> None:
+    engine = EnginePublisher(topic=b"")
+    namespace = f"svc-{uuid.uuid4().hex[:8]}"
+    config = write_config(tmp_path / "fleet.yaml", engine, redis_url)
+    port = free_port()
+    hasher = BlockHasher("sha256", 16, "0", "0.33.0")
+    tokens = list(range(5000, 5000 + 16 * 6))
+    hashes = hasher.hash_blocks_int64(tokens)
+    index = RedisIndex(redis_url, namespace=namespace)
+    args = [*KVROUTER, "indexer", "--config", str(config), "--port", str(port), "--namespace", namespace]
+    try:
+        with Proc(args, tmp_path / "indexer.log") as proc:
+            wait_http(f"http://127.0.0.1:{port}/health", timeout=60, proc=proc.popen)
+            engine.wait_subscribed()
+            engine.publish(encode_batch(EventBatch(1.0, [BlockStored(hashes, None, tokens, 16, None, "GPU")], 0), "0.33.0"))
+
+            async def matched() -> dict:
+                return await index.lookup(MODEL, hashes)
+
+            deadline = time.monotonic() + 20
+            while asyncio.run(matched()) != {Worker("engine-0", 0): {"GPU": 6}}:
+                assert time.monotonic() < deadline, proc.log()
+                time.sleep(0.05)
+            metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+            assert 'kvrouter_kv_events_total{backend="engine-0",dp_rank="0",type="BlockStored"} 1.0' in metrics
+            assert 'kvrouter_kv_hash_verify_total{backend="engine-0",dp_rank="0",result="match"} 6.0' in metrics
+            streams = httpx.get(f"http://127.0.0.1:{port}/debug/streams").json()
+            assert streams[0]["backend"] == "engine-0" and streams[0]["blocks"] == 6
+            assert streams[0]["connected"] is True and streams[0]["rehash_mode"] is False
+            assert httpx.get(f"http://127.0.0.1:{port}/health").json()["status"] == "ok"
+    finally:
+        index.close()
+        engine.close()
+
+
+def test_indexer_refuses_a_config_without_redis(tmp_path: Path) -> None:
+    engine = EnginePublisher(replay=False)
+    try:
+        config = write_config(tmp_path / "fleet.yaml", engine, "memory")
+        with Proc([*KVROUTER, "indexer", "--config", str(config)], tmp_path / "indexer.log") as proc:
+            assert proc.popen.wait(60) == 2
+            assert "--redis" in proc.log()
+    finally:
+        engine.close()
+
+
+def test_indexer_says_when_redis_is_unreachable(tmp_path: Path) -> None:
+    engine = EnginePublisher(replay=False)
+    try:
+        config = write_config(tmp_path / "fleet.yaml", engine, f"redis://127.0.0.1:{free_port()}/0")
+        with Proc([*KVROUTER, "indexer", "--config", str(config)], tmp_path / "indexer.log") as proc:
+            assert proc.popen.wait(60) == 2
+            assert "cannot reach Redis" in proc.log()
+    finally:
+        engine.close()
