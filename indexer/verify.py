@@ -54,7 +54,8 @@ log = logging.getLogger(__name__)
 
 _GPU = "GPU"
 _DIAGNOSE_VERSIONS = ("0.11.0", "0.14.0", "0.20.0", "0.28.0", "0.30.0", "0.33.0")
-_DIAGNOSE_SEEDS: tuple[str | None, ...] = (None, "0", "42")
+_DIAGNOSE_SEEDS: tuple[str | None, ...] = (None, *map(str, range(10)), "42", "1234", "12345")
+"""PYTHONHASHSEED values tried when diagnosing a mismatch: unset and the ones people pick."""
 
 
 class _UnknownKeys(Exception):
@@ -364,8 +365,8 @@ class HashVerifier:
         if found:
             return "the engines hash like " + " or ".join(found[:3]) + f" (config: {current})"
         return (
-            "no combination of algorithm, PYTHONHASHSEED in (unset, '0', '42', configured) and version dialect "
-            f"reproduces the engine's hash: the engines likely run with an unset PYTHONHASHSEED on vLLM < 0.30 "
+            "no combination of algorithm, common PYTHONHASHSEED (unset, 0-9, 42, 1234, 12345) and version "
+            f"dialect reproduces the engine's hash: the engines likely run with an unset PYTHONHASHSEED on vLLM < 0.30 "
             f"or an xxhash algorithm (random NONE_HASH per process), or with another seed (config: {current})"
         )
 

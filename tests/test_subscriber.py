@@ -1,0 +1,224 @@
+"""FleetSubscriber behaviours beyond loss and restarts (tests/test_chaos_events.py has those)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from indexer.events import AllBlocksCleared, BlockStored, EventBatch, encode_batch
+from indexer.hashing import BlockHasher
+from indexer.index import MemoryIndex, Worker
+from indexer.subscriber import FleetSubscriber, StreamSpec, offset_endpoint, specs_from_config
+from indexer.verify import HashVerifier
+from kvpub import EnginePublisher
+from router.config import parse_config
+
+MODEL = "m"
+W0 = Worker("engine-0", 0)
+
+
+def stored(keys: list[int], ts: float = 1.0, version: str = "0.33.0") -> bytes:
+    ev = BlockStored(keys, None, list(range(16 * len(keys))), 16, None, "GPU")
+    return encode_batch(EventBatch(ts, [ev], 0), version)
+
+
+def has(index: MemoryIndex, key: int, worker: Worker = W0) -> bool:
+    return bool(asyncio.run(index.lookup(MODEL, [key])).get(worker))
+
+
+def wait_for(cond: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.005)
+    raise TimeoutError(f"timed out waiting for {what}")
+
+
+def spec(pub: EnginePublisher, worker: Worker = W0) -> StreamSpec:
+    return StreamSpec(MODEL, worker, pub.endpoint, pub.replay_endpoint, topic=pub.topic.decode(),
+                      vllm_version=pub.vllm_version)
+
+
+def config(**backend) -> object:
+    return parse_config({"models": [{"name": "m", "tokenizer": "t", "backends": [{"name": "b", "url": "http://h:1", **backend}]}]})
+
+
+def test_specs_follow_data_parallel_ranks() -> None:
+    specs = specs_from_config(config(kv_events="tcp://10.0.0.1:5557", kv_replay="tcp://10.0.0.1:5600", data_parallel_size=3))
+    assert [(s.worker, s.endpoint, s.replay_endpoint) for s in specs] == [
+        (Worker("b", r), f"tcp://10.0.0.1:{5557 + r}", f"tcp://10.0.0.1:{5600 + r}") for r in range(3)
+    ]
+    assert specs_from_config(config()) == []
+    assert offset_endpoint("tcp://[::1]:7000", 2) == "tcp://[::1]:7002"
+
+
+def test_a_bind_address_is_refused_with_a_clear_message() -> None:
+    with pytest.raises(ValueError, match="bind address"):
+        specs_from_config(config(kv_events="tcp://*:5557"))
+
+
+def test_connecting_late_loads_the_engines_buffered_history() -> None:
+    pub = EnginePublisher()
+    for i in range(5):
+        pub.publish(stored([i]), send=False)
+    index = MemoryIndex()
+    sub = FleetSubscriber(index, [spec(pub)])
+    sub.start()
+    try:
+        wait_for(lambda: sub.stats()[W0].last_seq == 4, "history replayed on connect")
+        assert all(has(index, i) for i in range(5))
+        assert sub.stats()[W0].lost == 0 and sub.stats()[W0].connected
+    finally:
+        sub.stop()
+        pub.close()
+
+
+@pytest.mark.parametrize("version", ["0.11.0", "0.22.0", "0.28.0"])
+def test_replay_works_with_every_reply_framing(version: str) -> None:
+    pub = EnginePublisher(vllm_version=version)
+    for i in range(3):
+        pub.publish(stored([10 + i], version=version), send=False)
+    index = MemoryIndex()
+    sub = FleetSubscriber(index, [spec(pub)])
+    sub.start()
+    try:
+        wait_for(lambda: sub.stats()[W0].last_seq == 2, f"replay framed like vLLM {version}")
+        assert all(has(index, 10 + i) for i in range(3))
+    finally:
+        sub.stop()
+        pub.close()
+
+
+def test_all_blocks_cleared_clears_only_that_worker() -> None:
+    a, b = EnginePublisher(), EnginePublisher()
+    w1 = Worker("engine-1", 0)
+    index = MemoryIndex()
+    sub = FleetSubscriber(index, [spec(a), spec(b, w1)])
+    sub.start()
+    try:
+        a.wait_subscribed()
+        b.wait_subscribed()
+        a.publish(stored([1]))
+        b.publish(stored([1]))
+        wait_for(lambda: has(index, 1) and has(index, 1, w1), "both workers hold block 1")
+        a.publish(encode_batch(EventBatch(2.0, [AllBlocksCleared()], 0), "0.33.0"))
+        wait_for(lambda: not has(index, 1), "worker 0 cleared")
+        assert has(index, 1, w1)
+    finally:
+        sub.stop()
+        a.close()
+        b.close()
+
+
+def test_a_backend_removed_from_the_config_is_purged() -> None:
+    a, b = EnginePublisher(), EnginePublisher()
+    w1 = Worker("engine-1", 0)
+    index = MemoryIndex()
+    sub = FleetSubscriber(index, [spec(a), spec(b, w1)])
+    sub.start()
+    try:
+        a.wait_subscribed()
+        b.wait_subscribed()
+        a.publish(stored([1]))
+        b.publish(stored([2]))
+        wait_for(lambda: has(index, 1) and has(index, 2, w1), "both applied")
+        sub.update_specs([spec(a)])
+        wait_for(lambda: not has(index, 2, w1), "removed backend purged")
+        assert has(index, 1) and set(sub.stats()) == {W0}
+    finally:
+        sub.stop()
+        a.close()
+        b.close()
+
+
+def test_marked_dead_worker_is_purged_and_resynchronised_when_it_speaks_again() -> None:
+    pub = EnginePublisher()
+    index = MemoryIndex()
+    sub = FleetSubscriber(index, [spec(pub)])
+    sub.start()
+    try:
+        pub.wait_subscribed()
+        pub.publish(stored([1]))
+        wait_for(lambda: has(index, 1), "applied")
+        sub.mark_dead(W0)
+        wait_for(lambda: not has(index, 1), "purged")
+        assert sub.stats()[W0].dead and sub.stats()[W0].purges == 1
+        pub.publish(stored([2]))
+        wait_for(lambda: has(index, 2) and has(index, 1), "resynchronised from the engine's buffer")
+        assert not sub.stats()[W0].dead
+    finally:
+        sub.stop()
+        pub.close()
+
+
+def test_worker_disconnected_past_the_grace_period_is_purged() -> None:
+    pub = EnginePublisher()
+    index = MemoryIndex()
+    sub = FleetSubscriber(index, [spec(pub)], dead_grace_s=0.5)
+    sub.start()
+    try:
+        pub.wait_subscribed()
+        pub.publish(stored([1]))
+        wait_for(lambda: has(index, 1), "applied")
+        pub.close()
+        wait_for(lambda: not sub.stats()[W0].connected, "disconnect seen")
+        assert has(index, 1)
+        wait_for(lambda: not has(index, 1), "purged after the grace period")
+        assert sub.stats()[W0].dead
+    finally:
+        sub.stop()
+
+
+def test_idle_connected_engine_is_never_purged() -> None:
+    pub = EnginePublisher()
+    index = MemoryIndex()
+    sub = FleetSubscriber(index, [spec(pub)], dead_grace_s=0.3, tail_probe_s=0.1)
+    sub.start()
+    try:
+        pub.wait_subscribed()
+        pub.publish(stored([1]))
+        wait_for(lambda: sub.stats()[W0].probes >= 5, "several idle probes")
+        stats = sub.stats()[W0]
+        assert has(index, 1) and not stats.dead and stats.restarts == stats.lost == 0
+    finally:
+        sub.stop()
+        pub.close()
+
+
+def test_rehash_mode_shows_in_stats_and_metrics() -> None:
+    engine = BlockHasher("sha256", 16, "1", "0.33.0")
+    router = BlockHasher("sha256", 16, "0", "0.33.0")
+    tokens = list(range(16 * 10))
+    payload = encode_batch(EventBatch(1.0, [BlockStored(engine.hash_blocks_int64(tokens), None, tokens, 16, None, "GPU")], 0), "0.33.0")
+    pub = EnginePublisher()
+    index = MemoryIndex()
+    registry = CollectorRegistry()
+    sub = FleetSubscriber(index, [spec(pub)], verifiers={MODEL: HashVerifier(router)}, metrics_registry=registry)
+    sub.start()
+    try:
+        pub.wait_subscribed()
+        pub.publish(payload)
+        wait_for(lambda: sub.stats()[W0].rehash_mode, "re-hash mode")
+        stats = sub.stats()[W0]
+        assert stats.verify_mismatch == 10 and stats.verify_match == 0
+        assert "hash_seed='1'" in (stats.rehash_reason or "")
+        assert registry.get_sample_value("kvrouter_kv_rehash_mode", {"backend": "engine-0", "dp_rank": "0"}) == 1
+        found = asyncio.run(index.lookup(MODEL, router.hash_blocks_int64(tokens)))
+        assert found == {W0: {"GPU": 10}}
+    finally:
+        sub.stop()
+        pub.close()
+
+
+def test_stop_returns_promptly_with_unreachable_endpoints() -> None:
+    sub = FleetSubscriber(MemoryIndex(), [StreamSpec(MODEL, W0, "tcp://127.0.0.1:9", "tcp://127.0.0.1:9")])
+    sub.start()
+    assert sub.running
+    t0 = time.monotonic()
+    sub.stop()
+    assert time.monotonic() - t0 < 2.0 and not sub.running
