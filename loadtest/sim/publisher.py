@@ -16,7 +16,6 @@ end marker, framed per version (VLLM_FACTS §3).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections import deque
