@@ -62,7 +62,9 @@ _line_decoder = msgspec.json.Decoder(HashLine)
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.description = "Compute vLLM prefix-cache block hashes: JSON lines for machines, a table for operators."
-    parser.add_argument("--jsonl", action="store_true", help="stdin lines shaped like golden hash vectors -> JSON lines")
+    parser.add_argument(
+        "--jsonl", action="store_true", help="stdin lines shaped like golden hash vectors -> JSON lines"
+    )
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--text", help="prompt text, tokenized like a completions prompt (special tokens added)")
     source.add_argument("--token-ids", help="comma-separated token ids, e.g. 1,2,3")

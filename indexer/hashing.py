@@ -103,15 +103,21 @@ class Dialect:
 
 
 _ALL = frozenset(ALGOS)
+_TAGGED = {"lora_key": "tagged", "mm_key": "tagged", "tagged_salt": True, "tagged_prompt_embeds": True}
+_PLAIN = {"tagged_salt": False, "tagged_prompt_embeds": False}
 DIALECTS: tuple[Dialect, ...] = (
-    Dialect("0.11", (0, 11, 0), frozenset({"sha256", "sha256_cbor"}), False, "int_id", "identifier", False, False, False),
-    Dialect("0.12-0.19.0", (0, 12, 0), _ALL, False, "name", "identifier", False, True, False),
+    Dialect("0.11", (0, 11, 0), frozenset({"sha256", "sha256_cbor"}), unset_seed_fixed=False,
+            lora_key="int_id", mm_key="identifier", prompt_embeds=False, **_PLAIN),
+    Dialect("0.12-0.19.0", (0, 12, 0), _ALL, unset_seed_fixed=False,
+            lora_key="name", mm_key="identifier", prompt_embeds=True, **_PLAIN),
     # PR #36708 (offset in the MM key, inclusive boundaries) first shipped in v0.19.1.
-    Dialect("0.19.1-0.29", (0, 19, 1), _ALL, False, "name", "identifier_offset", False, True, False),
+    Dialect("0.19.1-0.29", (0, 19, 1), _ALL, unset_seed_fixed=False,
+            lora_key="name", mm_key="identifier_offset", prompt_embeds=True, **_PLAIN),
     # 0.29 was not examined; it stays with the random unset seed, which only ever
     # turns an ambiguous set-up into a configuration error, never into a wrong hash.
-    Dialect("0.30", (0, 30, 0), _ALL, True, "name", "identifier_offset", False, True, False),
-    Dialect("0.31+", (0, 31, 0), _ALL, True, "tagged", "tagged", True, True, True),
+    Dialect("0.30", (0, 30, 0), _ALL, unset_seed_fixed=True,
+            lora_key="name", mm_key="identifier_offset", prompt_embeds=True, **_PLAIN),
+    Dialect("0.31+", (0, 31, 0), _ALL, unset_seed_fixed=True, prompt_embeds=True, **_TAGGED),
 )
 NEWEST_VERIFIED = (0, 33, 0)
 _VERSION = re.compile(r"^\s*v?(\d+)\.(\d+)(?:\.(\d+))?")
@@ -154,10 +160,14 @@ def _require(d: Mapping[str, Any], key: str, kind: type) -> Any:
     return value
 
 
+def _hash_new(algo: str) -> Callable[[bytes], Any]:
+    """The hash object constructor; hot loops call ``new(data).digest()`` with no Python frame between."""
+    return hashlib.sha256 if algo.startswith("sha256") else xxhash.xxh3_128
+
+
 def _digest_fn(algo: str) -> Callable[[bytes], bytes]:
-    if algo.startswith("sha256"):
-        return lambda data: hashlib.sha256(data).digest()
-    return xxhash.xxh3_128_digest
+    new = _hash_new(algo)
+    return lambda data: new(data).digest()
 
 
 def _serialize_fn(algo: str) -> Callable[[Any], bytes]:
@@ -179,6 +189,7 @@ _CBOR_MAX_FAST = 1 << 32
 _CBOR_BOUNDS = np.array([24, 256, 65536], dtype=np.int64)
 _CBOR_WIDTH = np.array([1, 2, 3, 5], dtype=np.int64)
 _CBOR_LEAD = np.array([0, 0x18 << 8, 0x19 << 16, 0x1A << 32], dtype=np.int64)
+_CBOR_KEEP = np.arange(8) >= 8 - _CBOR_WIDTH[:, None]  # per class: the row's last w bytes
 
 
 def _cbor_head(major: int, n: int) -> bytes:
@@ -231,7 +242,7 @@ def _cbor_token_blob(token_ids: Sequence[int]) -> tuple[bytes, np.ndarray] | Non
 
     Vectorised so the per-token cost is a few numpy passes instead of Python calls:
     each token becomes one big-endian 8-byte row ``lead << 8*(w-1) | value`` whose last
-    ``w`` bytes are exactly its CBOR encoding, and one gather keeps those bytes.
+    ``w`` bytes are exactly its CBOR encoding, and a per-class byte mask keeps those.
     None when a token is outside [0, 2**32) (the caller falls back).
     """
     try:
@@ -241,12 +252,8 @@ def _cbor_token_blob(token_ids: Sequence[int]) -> tuple[bytes, np.ndarray] | Non
     if ints.size == 0 or int(ints.min()) < 0 or int(ints.max()) >= _CBOR_MAX_FAST:
         return None
     cls = np.searchsorted(_CBOR_BOUNDS, ints, side="right")
-    width = _CBOR_WIDTH[cls]
-    rows = (ints + _CBOR_LEAD[cls]).astype(">u8").view(np.uint8)
-    ends = np.cumsum(width)
-    shift = np.arange(8, 8 * ints.size + 1, 8) - ends
-    gather = np.arange(int(ends[-1])) + np.repeat(shift, width)
-    return rows[gather].tobytes(), ends
+    rows = (ints + _CBOR_LEAD[cls]).astype(">u8").view(np.uint8).reshape(-1, 8)
+    return rows[_CBOR_KEEP[cls]].tobytes(), np.cumsum(_CBOR_WIDTH[cls])
 
 
 # --- the hasher ------------------------------------------------------------------------
@@ -279,6 +286,7 @@ class BlockHasher:
         self.vllm_version = vllm_version
         self.seed = None if seed is None else str(seed)
         self._digest = _digest_fn(algo)
+        self._new = _hash_new(algo)
         self._cbor = algo.endswith("_cbor")
         self.none_hash = self._none_hash()
         self._array_head = _cbor_head(4, block_size)
@@ -358,10 +366,13 @@ class BlockHasher:
         n_blocks = len(token_ids) // self.block_size
         if n_blocks == 0:
             return []
-        extras = self._extra_keys(n_blocks, first, lora, cache_salt, mm, prompt_embeds_digests)
+        common, special = self._extra_keys(n_blocks, first, lora, cache_salt, mm, prompt_embeds_digests)
+        extras = [common] * n_blocks
+        for i, keys in special.items():
+            extras[i] = keys
         start = parent or self.none_hash
         if self._cbor:
-            return self._chain_cbor(start, token_ids, n_blocks, extras)
+            return self._chain_cbor(start, token_ids, n_blocks, extras, common, special)
         return self._chain_pickle(start, token_ids, n_blocks, extras)
 
     def hash_blocks_int64(self, token_ids: Sequence[int], **kwargs: Any) -> list[int]:
@@ -380,8 +391,11 @@ class BlockHasher:
             raise ValueError("start_block > 0 needs parent, the digest of the block before it")
         return start_block
 
-    def _extra_keys(self, n_blocks, first, lora, cache_salt, mm, prompt_embeds_digests) -> list[tuple | None]:
-        """Per-block extra keys in vLLM's order: LoRA, multimodal items, cache_salt, prompt embeds."""
+    def _extra_keys(
+        self, n_blocks, first, lora, cache_salt, mm, prompt_embeds_digests
+    ) -> tuple[tuple | None, dict[int, tuple]]:
+        """Extra keys in vLLM's order (LoRA, multimodal items, cache_salt, prompt embeds):
+        those of every block, and those of the blocks that have more (by index in this call)."""
         d = self.dialect
         base = [d.lora_extra_key(lora)] if lora else []
         per_block: dict[int, list[Any]] = {}
@@ -391,45 +405,41 @@ class BlockHasher:
             per_block.setdefault(0, []).append(d.salt_extra_key(cache_salt))
         if prompt_embeds_digests is not None:
             if len(prompt_embeds_digests) < n_blocks:
-                raise ValueError(f"prompt_embeds_digests has {len(prompt_embeds_digests)} digests for {n_blocks} blocks")
+                raise ValueError(
+                    f"prompt_embeds_digests has {len(prompt_embeds_digests)} digests for {n_blocks} blocks"
+                )
             for i in range(n_blocks):
                 per_block.setdefault(i, []).append(d.prompt_embeds_extra_key(prompt_embeds_digests[i]))
-        common = tuple(base) if base else None
-        extras = [common] * n_blocks
-        for i, keys in per_block.items():
-            extras[i] = tuple(base + keys)
-        return extras
+        return (tuple(base) if base else None), {i: tuple(base + keys) for i, keys in per_block.items()}
 
     def _chain_pickle(self, parent: bytes, token_ids: Sequence[int], n_blocks: int, extras: list) -> list[bytes]:
-        digest, dumps, size, proto = self._digest, pickle.dumps, self.block_size, PICKLE_PROTOCOL
+        new, dumps, size, proto = self._new, pickle.dumps, self.block_size, PICKLE_PROTOCOL
         out = []
         for i in range(n_blocks):
             s = i * size
-            parent = digest(dumps((parent, tuple(token_ids[s : s + size]), extras[i]), proto))
+            parent = new(dumps((parent, tuple(token_ids[s : s + size]), extras[i]), proto)).digest()
             out.append(parent)
         return out
 
-    def _chain_cbor(self, parent: bytes, token_ids: Sequence[int], n_blocks: int, extras: list) -> list[bytes]:
-        """Hand-emitted ``[parent, [tokens...], extra]`` per block; extras encoded once each by cbor2."""
+    def _chain_cbor(self, parent: bytes, token_ids: Sequence[int], n_blocks: int, extras: list,
+                    common: tuple | None, special: dict[int, tuple]) -> list[bytes]:
+        """Hand-emitted ``[parent, [tokens...], extra]`` per block; each distinct extra encoded once by cbor2."""
         size = self.block_size
-        encoded: dict[int, bytes] = {}  # by id(): blocks without their own keys share one tuple
-        tails = []
-        for e in extras:
-            if id(e) not in encoded:
-                encoded[id(e)] = self._cbor_extra(e)
-            tails.append(encoded[id(e)])
+        tails = [self._cbor_extra(common)] * n_blocks
+        for i, keys in special.items():
+            tails[i] = self._cbor_extra(keys)
         blob = _cbor_token_blob(token_ids[: n_blocks * size]) if n_blocks >= _CHAIN_NUMPY_MIN_BLOCKS else None
         if blob is None:
             return self._chain_cbor_per_block(parent, token_ids, n_blocks, extras, tails)
         data, ends = blob
         block_ends = ends[size - 1 :: size].tolist()
-        digest, join, head = self._digest, b"".join, self._array_head
-        out = [self._digest(b"".join((b"\x83", _cbor_head(2, len(parent)), parent, head,
-                                      data[: block_ends[0]], tails[0])))]
-        lead = b"\x83" + _cbor_head(2, len(out[0]))
-        parent = out[0]
-        for i in range(1, n_blocks):
-            parent = digest(join((lead, parent, head, data[block_ends[i - 1] : block_ends[i]], tails[i])))
+        new, join, head = self._new, b"".join, self._array_head
+        first = (b"\x83", _cbor_head(2, len(parent)), parent, head, data[: block_ends[0]], tails[0])
+        parent = new(join(first)).digest()
+        out = [parent]
+        lead = b"\x83" + _cbor_head(2, len(parent))
+        for start, end, tail in zip(block_ends, block_ends[1:], tails[1:]):
+            parent = new(join((lead, parent, head, data[start:end], tail))).digest()
             out.append(parent)
         return out
 
@@ -438,7 +448,10 @@ class BlockHasher:
         for i in range(n_blocks):
             tokens = token_ids[i * size : (i + 1) * size]
             data = self._cbor_message(parent, tokens, tails[i])
-            parent = self._digest(data) if data is not None else _reference_hash_block(self.algo, parent, tokens, extras[i])
+            if data is None:
+                parent = _reference_hash_block(self.algo, parent, tokens, extras[i])
+            else:
+                parent = self._digest(data)
             out.append(parent)
         return out
 
