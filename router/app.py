@@ -28,7 +28,7 @@ from typing import Any
 
 import msgspec
 from fastapi import FastAPI, Request
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
 from starlette.responses import Response
 
 from indexer.hashing import BlockHasher
@@ -135,6 +135,9 @@ class Router:
         self._stream_stats: dict[Worker, Any] = {}
         self._stream_stats_at = 0.0
         self._unregister_metrics: Any = None
+        self.stream_registry = CollectorRegistry(auto_describe=True)
+        """The subscriber's own series, exposed through :class:`metrics.FleetCollector` so
+        that several routers can live in one process (tests) without name clashes."""
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -149,9 +152,13 @@ class Router:
                 rt.config.name: HashVerifier(rt.hasher, {a.name: a.path for a in rt.config.lora_adapters})
                 for rt in self.models.values()
             }
-            self.subscriber = FleetSubscriber(self.index, specs_from_config(self.config), verifiers=verifiers, metrics_registry=REGISTRY)
+            self.subscriber = FleetSubscriber(
+                self.index, specs_from_config(self.config), verifiers=verifiers, metrics_registry=self.stream_registry
+            )
             self.subscriber.start()
-        self._unregister_metrics = metrics.register_fleet(metrics.FleetCollector(self.pool, self.loads, self.stream_stats))
+        self._unregister_metrics = metrics.register_fleet(
+            metrics.FleetCollector(self.pool, self.loads, self.stream_stats, self.stream_registry)
+        )
         await self.pool.check_all()
         self._tasks = [
             asyncio.create_task(self._health_forever()),
@@ -573,6 +580,7 @@ def create_app(config: Config, index: Index | None = None) -> FastAPI:
             policy=prepared.runtime.policy.name,
             started=started,
             retries=settings.retries,
+            reason=prepared.decision.reason,
             on_routed=lambda backend: router.commit(prepared, backend),
         )
 

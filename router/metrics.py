@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import REGISTRY, Counter, Histogram
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -81,10 +81,12 @@ class FleetCollector(Collector):
         pool: BackendPool,
         loads: LoadTracker,
         stream_stats: Callable[[], dict[Worker, StreamStats]],
+        stream_registry: CollectorRegistry | None = None,
     ) -> None:
         self.pool = pool
         self.loads = loads
         self.stream_stats = stream_stats
+        self.stream_registry = stream_registry
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         fams = {
@@ -113,26 +115,25 @@ class FleetCollector(Collector):
                     fams[key].add_metric([name], value)
         yield from fams.values()
         labels = ["backend", "dp_rank"]
-        stream = {
-            "connected": GaugeMetricFamily("kvrouter_event_stream_connected", "1 while the KV-event stream is connected", labels=labels),
-            "last_seq": GaugeMetricFamily("kvrouter_event_stream_last_seq", "Last event batch seq applied", labels=labels),
-            "gaps": GaugeMetricFamily("kvrouter_event_stream_gaps", "Seq gaps detected", labels=labels),
-            "replays": GaugeMetricFamily("kvrouter_event_stream_replays", "Replays requested", labels=labels),
-            "blocks": GaugeMetricFamily("kvrouter_event_stream_blocks", "Blocks stored by the stream's events", labels=labels),
-            "rehash": GaugeMetricFamily("kvrouter_event_stream_rehash_mode", "1 while indexed with router-computed hashes", labels=labels),
-        }
+        last_seq = GaugeMetricFamily("kvrouter_event_stream_last_seq", "Last event batch seq applied (-1: none yet)", labels=labels)
+        blocks = GaugeMetricFamily("kvrouter_event_stream_blocks", "Blocks stored by the stream's events", labels=labels)
         for worker, st in self.stream_stats().items():
             lv = [worker.backend, str(worker.dp_rank)]
-            stream["connected"].add_metric(lv, 1.0 if st.connected else 0.0)
-            stream["last_seq"].add_metric(lv, float(st.last_seq if st.last_seq is not None else -1))
-            stream["gaps"].add_metric(lv, float(st.gaps))
-            stream["replays"].add_metric(lv, float(st.replays))
-            stream["blocks"].add_metric(lv, float(st.blocks))
-            stream["rehash"].add_metric(lv, 1.0 if st.rehash_mode else 0.0)
-        yield from stream.values()
+            last_seq.add_metric(lv, float(st.last_seq if st.last_seq is not None else -1))
+            blocks.add_metric(lv, float(st.blocks))
+        yield last_seq
+        yield blocks
+        if self.stream_registry is not None:
+            # The subscriber's counters (gaps, replays, connected, rehash mode, ...).
+            yield from self.stream_registry.collect()
 
 
 def register_fleet(collector: FleetCollector) -> Callable[[], None]:
-    """Register ``collector`` on the default registry; returns the function that removes it."""
-    REGISTRY.register(collector)
+    """Register ``collector`` on the default registry; returns the function that removes it.
+
+    A second router in the same process (tests) keeps the first one's fleet series."""
+    try:
+        REGISTRY.register(collector)
+    except ValueError:
+        return lambda: None
     return lambda: REGISTRY.unregister(collector)

@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 FORWARDED_REQUEST_HEADERS = ("authorization", "content-type", "accept", "x-request-id", "traceparent", "user-agent")
 RELAYED_RESPONSE_HEADERS = (b"content-type", b"x-request-id", b"cache-control")
 BACKEND_HEADER = b"x-kvrouter-backend"
+REASON_HEADER = b"x-kvrouter-reason"
 
 _NO_BYTE_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 """Errors raised by ``send`` before any response byte arrived: safe to try elsewhere."""
@@ -71,6 +72,7 @@ class ProxyResponse(Response):
         policy: str,
         started: float,
         retries: int,
+        reason: str = "",
         on_routed: Any = None,
     ) -> None:
         self.status_code = 200
@@ -90,6 +92,7 @@ class ProxyResponse(Response):
         self._started = started
         self._retries = retries
         self._on_routed = on_routed
+        self._reason = reason
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         main = asyncio.ensure_future(self._run(send))
@@ -121,6 +124,8 @@ class ProxyResponse(Response):
             status = upstream.status_code
             headers = [(k, v) for k, v in upstream.headers.raw if k.lower() in RELAYED_RESPONSE_HEADERS]
             headers.append((BACKEND_HEADER, backend.name.encode()))
+            if self._reason:
+                headers.append((REASON_HEADER, self._reason.encode()))
             if self._stream and status == 200:
                 status = await self._relay_stream(send, backend, ticket, upstream, headers)
             else:
@@ -182,6 +187,7 @@ class ProxyResponse(Response):
                 continue
             if tried > 1:
                 metrics.DECISIONS.labels(self._model, self._policy, "fallback").inc()
+                self._reason = "fallback"
             return backend, ticket, upstream
         raise last
 

@@ -1,0 +1,264 @@
+"""Routing policies, the kv_aware cost, the router's prefix memory and load tickets.
+
+These run the real policy objects on real :class:`BackendLoad` state (no fakes: a
+policy's whole input is this data). End-to-end routing through the router process is
+in test_router_e2e.py.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from router.config import KvAwareWeights
+from router.load import BackendLoad, LoadTracker, parse_vllm_metrics
+from router.policies.approx_index import ApproxPrefixIndex
+from router.policies.base import UNROUTABLE, Candidate, RequestCtx
+from router.policies.kv_aware import KvAware
+from router.policies.least_loaded import LeastLoaded
+from router.policies.power_of_two import PowerOfTwo
+from router.policies.prefix_approx import PrefixApprox
+from router.policies.random import RandomPolicy
+from router.policies.round_robin import RoundRobin
+from router.policies.session import SessionAffinity
+
+BS = 16
+
+
+def ctx(n_tokens: int = 64, keys: list[int] | None = None, session: str | None = None, events: bool = True) -> RequestCtx:
+    keys = keys if keys is not None else list(range(1, n_tokens // BS + 1))
+    return RequestCtx("m", n_tokens, BS, keys, session, events)
+
+
+def fleet(n: int = 4, unhealthy: tuple[int, ...] = ()) -> list[Candidate]:
+    return [Candidate(f"b{i}", i not in unhealthy, BackendLoad(f"b{i}")) for i in range(n)]
+
+
+def test_round_robin_cycles_and_skips_unhealthy() -> None:
+    p = RoundRobin()
+    picks = []
+    for _ in range(6):
+        cands = fleet(3, unhealthy=(1,))
+        d = p.choose(ctx(), cands)
+        p.commit(ctx(), d)
+        picks.append(d.backend)
+        assert cands[1].score == UNROUTABLE
+    assert set(picks) == {"b0", "b2"}
+    assert "b1" not in picks
+
+
+def test_random_spreads_over_healthy_backends() -> None:
+    p = RandomPolicy(random.Random(1))
+    seen = Counter(p.choose(ctx(), fleet(4, unhealthy=(3,))).backend for _ in range(400))
+    assert set(seen) == {"b0", "b1", "b2"}
+    assert min(seen.values()) > 80
+
+
+def test_least_loaded_picks_fewest_in_flight_tokens() -> None:
+    cands = fleet(3)
+    cands[0].load.prefill_tokens = 500
+    cands[1].load.prefill_tokens = 10
+    cands[2].load.block_refs = {k: 1 for k in range(20)}  # 320 tokens of running KV
+    assert LeastLoaded().choose(ctx(), cands).backend == "b1"
+
+
+def test_power_of_two_never_picks_the_more_loaded_of_its_pair() -> None:
+    p = PowerOfTwo(random.Random(3))
+    for _ in range(100):
+        cands = fleet(2)
+        cands[0].load.in_flight = 5
+        assert p.choose(ctx(), cands).backend == "b1"
+
+
+def test_session_is_sticky_and_moves_only_the_lost_backends_sessions() -> None:
+    p = SessionAffinity()
+    before = {s: p.choose(ctx(session=s), fleet(4)).backend for s in (f"user-{i}" for i in range(200))}
+    assert len(set(before.values())) == 4
+    after = {s: p.choose(ctx(session=s), fleet(4, unhealthy=(2,))).backend for s in before}
+    for s, b in before.items():
+        if b != "b2":
+            assert after[s] == b
+        else:
+            assert after[s] != "b2"
+    assert p.choose(ctx(session=None), fleet(4)).reason == "no_session_key"
+
+
+def test_approx_index_matches_leading_blocks_until_ttl() -> None:
+    now = [0.0]
+    idx = ApproxPrefixIndex(ttl_s=10.0, max_blocks=100, clock=lambda: now[0])
+    idx.insert([1, 2, 3, 4], "a")
+    idx.insert([1, 2, 9], "b")
+    assert idx.match([1, 2, 3, 4, 5]) == {"a": 4, "b": 2}
+    assert idx.match([5, 1]) == {}
+    now[0] = 11.0
+    assert idx.match([1, 2, 3]) == {}
+
+
+def test_approx_index_is_bounded() -> None:
+    idx = ApproxPrefixIndex(ttl_s=100.0, max_blocks=10)
+    idx.insert(list(range(1, 50)), "a")
+    assert len(idx) == 10
+
+
+def test_prefix_approx_follows_its_own_decisions() -> None:
+    p = PrefixApprox(60.0, 10_000, KvAwareWeights())
+    c = ctx(160)
+    first = p.choose(c, fleet(4))
+    p.commit(c, first)
+    again = p.choose(ctx(176, keys=c.keys + [99]), fleet(4))
+    assert again.backend == first.backend
+    assert again.reason == "approx_hit"
+
+
+def test_prefix_approx_load_guard_moves_overloaded_hits() -> None:
+    p = PrefixApprox(60.0, 10_000, KvAwareWeights(imbalance_ratio=1.25, imbalance_slack=2))
+    c = ctx(160)
+    p.commit(c, p.choose(c, fleet(2)))
+    chosen = p.choose(c, fleet(2)).backend
+    cands = fleet(2)
+    next(x for x in cands if x.backend == chosen).load.in_flight = 10
+    d = p.choose(c, cands)
+    assert d.reason == "load_guard" and d.backend != chosen
+
+
+def kv(**w: float) -> KvAware:
+    return KvAware(KvAwareWeights(**w), 100_000, random.Random(7))
+
+
+def test_kv_aware_cost_matches_the_documented_formula() -> None:
+    n = 100  # 7 blocks (6 full + a partial)
+    cands = fleet(2)
+    cands[0].matched_blocks, cands[0].weighted_blocks = 4, 3.0  # 2 GPU + 2 CPU at 0.5
+    cands[0].load.prefill_tokens = 32
+    cands[0].load.block_refs = {k: 1 for k in range(10)}
+    kv(prefill=2.0, decode=0.5).choose(ctx(n, keys=[1, 2, 3, 4, 5, 6]), cands)
+    hit = 3.0
+    expected0 = 2.0 * ((n - hit * BS) + 32) / BS + 0.5 * (10 + 7 - 4)
+    expected1 = 2.0 * n / BS + 0.5 * 7
+    assert cands[0].score == pytest.approx(expected0)
+    assert cands[1].score == pytest.approx(expected1)
+
+
+def test_kv_aware_caps_the_hit_like_vllm() -> None:
+    # A fully cached 64-token prompt: vLLM recomputes the last block (cached = 48).
+    cands = fleet(1)
+    cands[0].matched_blocks = cands[0].weighted_blocks = 4
+    kv().choose(ctx(64), cands)
+    assert cands[0].score == pytest.approx((64 - 48) / BS + (0 + 4 - 4))
+    assert cands[0].predicted_cached_tokens(64, BS) == 48
+
+
+def test_kv_aware_prefers_the_cache_and_says_why() -> None:
+    cands = fleet(4)
+    cands[2].matched_blocks, cands[2].weighted_blocks = 10, 10.0
+    d = kv().choose(ctx(200), cands)
+    assert (d.backend, d.reason) == ("b2", "cache_hit")
+
+
+def test_kv_aware_reasons_without_hits() -> None:
+    assert kv().choose(ctx(200, events=False), fleet(4)).reason == "no_events"
+    assert kv().choose(ctx(200, events=True), fleet(4)).reason == "no_hit"
+
+
+def test_kv_aware_ties_do_not_always_pick_the_first_backend() -> None:
+    p = KvAware(KvAwareWeights(), 1000)
+    picks = Counter(p.choose(ctx(64), fleet(4)).backend for _ in range(200))
+    assert len(picks) == 4
+
+
+def test_kv_aware_load_outweighs_a_small_hit() -> None:
+    cands = fleet(2)
+    cands[0].matched_blocks = cands[0].weighted_blocks = 1
+    cands[0].load.prefill_tokens = 20_000
+    d = kv().choose(ctx(200), cands)
+    assert (d.backend, d.reason) == ("b1", "load_balance")
+
+
+def test_speculative_insertion_makes_a_burst_follow_the_first_request() -> None:
+    p = kv()
+    n = 4096 + 32
+    prefix = list(range(1, 257))
+    first_ctx = ctx(n, keys=prefix + [10_001, 10_002])
+    cands = fleet(4)
+    first = p.choose(first_ctx, cands)
+    p.commit(first_ctx, first)
+    loads = {c.backend: c.load for c in cands}
+    tracker_like = loads[first.backend]
+    tracker_like.in_flight += 1
+    tracker_like.prefill_tokens += n  # the first request is still prefilling
+    for i in range(40):
+        c = ctx(n, keys=prefix + [20_000 + 2 * i, 20_001 + 2 * i])
+        cands = [Candidate(name, True, load) for name, load in loads.items()]
+        d = p.choose(c, cands)
+        assert d.backend == first.backend, (i, d, [x.score for x in cands])
+        assert d.reason == "speculative_hit"
+        p.commit(c, d)
+        loads[d.backend].in_flight += 1
+        loads[d.backend].prefill_tokens += 32
+
+
+def test_imbalance_guard_spreads_a_prefix_shared_by_everything() -> None:
+    # Every request shares only the first block (Mooncake): the backend holding it must
+    # not take the whole fleet.
+    p = kv(imbalance_ratio=1.25, imbalance_slack=2)
+    loads = [BackendLoad(f"b{i}") for i in range(4)]
+    picks = Counter()
+    for i in range(200):
+        cands = [Candidate(l.name, True, l) for l in loads]
+        cands[0].matched_blocks = cands[0].weighted_blocks = 1
+        d = p.choose(ctx(64, keys=[7, 1000 + i, 2000 + i, 3000 + i]), cands)
+        picks[d.backend] += 1
+        next(l for l in loads if l.name == d.backend).in_flight += 1
+    assert max(picks.values()) < 0.5 * 200
+    assert p.choose(ctx(64, keys=[7, 1, 2, 3]), [Candidate(l.name, True, l) for l in loads]).backend
+
+
+def test_imbalance_guard_never_overrides_a_long_shared_prefix() -> None:
+    cands = fleet(2)
+    cands[0].matched_blocks = cands[0].weighted_blocks = 250
+    cands[0].load.in_flight = 50
+    d = kv().choose(ctx(4096), cands)
+    assert d.backend == "b0" and d.reason == "cache_hit"
+
+
+def test_softmax_temperature_samples_near_equal_backends() -> None:
+    p = kv(temperature=1.0)
+    picks = Counter(p.choose(ctx(64), fleet(3)).backend for _ in range(300))
+    assert len(picks) == 3
+
+
+def test_ticket_release_is_idempotent_and_returns_load_to_zero() -> None:
+    tracker = LoadTracker(["a"])
+    shared = [1, 2, 3]
+    t1 = tracker.acquire("a", shared + [4], 100)
+    t2 = tracker.acquire("a", shared + [5], 50)
+    load = tracker.get("a")
+    assert (load.in_flight, load.prefill_tokens, load.active_blocks) == (2, 150, 5)
+    t1.first_token()
+    assert (load.prefill_tokens, load.decode_seqs) == (50, 1)
+    t1.release()
+    t1.release()
+    t2.release()
+    assert tracker.idle()
+
+
+def test_parse_vllm_metrics_sums_engines_and_averages_usage() -> None:
+    text = """# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+vllm:num_requests_running{engine="1",model_name="m"} 2.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 4.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5
+vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.25
+# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_bucket{le="0.1",model_name="m"} 1.0
+"""
+    assert parse_vllm_metrics(text) == {
+        "vllm:num_requests_running": 5.0,
+        "vllm:num_requests_waiting": 4.0,
+        "vllm:kv_cache_usage_perc": 0.375,
+    }

@@ -1,0 +1,465 @@
+"""The router end to end: real simulated vLLM engines and a real router on loopback.
+
+One fleet of four simulated engines (``kvrouter sim``, a separate process) serves the
+whole module. The main router is a separate ``kvrouter serve`` process with an API key;
+per-policy routers run in-process (uvicorn on a free port) so that each policy does not
+pay a tokenizer load. Clients are the official ``openai`` SDK and httpx.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import uvicorn
+import yaml
+
+from router.app import create_app
+from router.config import parse_config
+from support import GOLDEN, KVROUTER, QWEN3_DIR, Proc, free_port, free_ports, wait_http
+
+pytestmark = pytest.mark.slow
+
+MODEL = "qwen3-0.6b"
+GOLDEN_MODEL = "qwen3-0.6b-tok"
+API_KEY = "sk-router-test"
+N_ENGINES = 4
+MAX_MODEL_LEN = 32768
+MAX_BODY = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    http = free_ports(N_ENGINES)
+    events = free_ports(N_ENGINES)
+    replay = free_ports(N_ENGINES)
+    d = tmp_path_factory.mktemp("fleet")
+    args = KVROUTER + [
+        "sim", "--instances", str(N_ENGINES), "--port", str(http), "--kv-events-port", str(events),
+        "--replay-port", str(replay), "--model", MODEL, "--tokenizer", str(QWEN3_DIR), "--hash-seed", "0",
+        "--speedup", "20", "--max-model-len", str(MAX_MODEL_LEN * 2), "--mean-output-tokens", "16",
+    ]
+    with Proc(args, d / "sim.log") as proc:
+        for i in range(N_ENGINES):
+            wait_http(f"http://127.0.0.1:{http + i}/health", timeout=120, proc=proc.popen)
+        yield {"http": http, "events": events, "replay": replay, "dir": d, "proc": proc}
+
+
+def fleet_config(fleet: dict[str, Any], **router: Any) -> dict[str, Any]:
+    backends = [
+        {
+            "name": f"sim-{i}",
+            "url": f"http://127.0.0.1:{fleet['http'] + i}",
+            "kv_events": f"tcp://127.0.0.1:{fleet['events'] + i}",
+            "kv_replay": f"tcp://127.0.0.1:{fleet['replay'] + i}",
+        }
+        for i in range(N_ENGINES)
+    ]
+    common = {"tokenizer": str(QWEN3_DIR), "block_size": 16, "hash_algo": "sha256", "hash_seed": "0", "vllm_version": "0.33.0"}
+    return {
+        "models": [
+            {"name": MODEL, **common, "max_model_len": MAX_MODEL_LEN, "backends": backends,
+             "lora_adapters": [{"name": "sql-adapter", "path": "/adapters/sql", "id": 7}]},
+            # The golden renderings' model name; the same engines, their events feed the first model.
+            {"name": GOLDEN_MODEL, **common, "backends": [{"name": b["name"], "url": b["url"]} for b in backends]},
+        ],
+        "router": {"health_interval_s": 0.5, "max_body_bytes": MAX_BODY, **router},
+    }
+
+
+@pytest.fixture(scope="module")
+def router_url(fleet: dict[str, Any]) -> Iterator[str]:
+    port = free_port()
+    path = Path(fleet["dir"]) / "router.yaml"
+    path.write_text(yaml.safe_dump(fleet_config(fleet, api_key=API_KEY, breaker_failures=50)))
+    with Proc(KVROUTER + ["serve", "--config", str(path), "--port", str(port)], Path(fleet["dir"]) / "router.log") as proc:
+        wait_http(f"http://127.0.0.1:{port}/health", timeout=120, proc=proc.popen)
+        yield f"http://127.0.0.1:{port}"
+        assert proc.popen.poll() is None, proc.log()
+
+
+class InProcessRouter:
+    """The router app served by uvicorn on a thread (same code path as ``kvrouter serve``)."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        self.port = free_port()
+        app = create_app(parse_config(config))
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", loop="asyncio"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> "InProcessRouter":
+        self.thread.start()
+        wait_http(self.url + "/health", timeout=120)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(15)
+
+
+def client(url: str, key: str = API_KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def headers(key: str = API_KEY) -> dict[str, str]:
+    return {"authorization": f"Bearer {key}"}
+
+
+def unique_text(n_words: int) -> str:
+    tag = uuid.uuid4().hex
+    return " ".join(f"{tag[i % 32]}word{i}" for i in range(n_words))
+
+
+def wait_idle(url: str, timeout: float = 30.0) -> list[dict[str, Any]]:
+    """Poll /debug/backends until the router's load counters are all zero."""
+    deadline = time.monotonic() + timeout
+    while True:
+        backends = httpx.get(url + "/debug/backends", headers=headers(), timeout=5).json()["backends"]
+        loads = [b["load"] for b in backends]
+        if all(l["in_flight"] == 0 and l["prefill_tokens"] == 0 and l["decode_seqs"] == 0 and l["active_blocks"] == 0 for l in loads):
+            return backends
+        if time.monotonic() > deadline:
+            raise AssertionError(f"load did not return to zero: {loads}")
+        time.sleep(0.2)
+
+
+# -- OpenAI surface through the SDK ---------------------------------------------------
+
+
+def test_chat_completion_through_the_sdk(router_url: str) -> None:
+    raw = client(router_url).chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hello!"}], max_tokens=5, extra_body={"ignore_eos": True}
+    )
+    assert raw.headers["x-kvrouter-backend"].startswith("sim-")
+    reply = raw.parse()
+    assert reply.choices[0].message.role == "assistant"
+    assert reply.usage.completion_tokens == 5
+
+
+def test_completion_through_the_sdk(router_url: str) -> None:
+    reply = client(router_url).completions.create(model=MODEL, prompt="Once upon a time", max_tokens=4, extra_body={"ignore_eos": True})
+    assert reply.usage.completion_tokens == 4
+    assert reply.choices[0].text
+
+
+def test_streaming_chat_through_the_sdk(router_url: str) -> None:
+    stream = client(router_url).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Count"}], max_tokens=8, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text
+    assert chunks[-1].usage.completion_tokens == 8
+
+
+def test_streaming_arrives_chunk_by_chunk(router_url: str) -> None:
+    body = {"model": MODEL, "prompt": "stream me", "max_tokens": 30, "stream": True, "ignore_eos": True}
+    arrivals = []
+    with httpx.stream("POST", router_url + "/v1/completions", json=body, headers=headers(), timeout=30) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                arrivals.append(time.monotonic())
+    assert len(arrivals) == 31  # 30 tokens + [DONE]
+    assert arrivals[-1] - arrivals[0] > 0.005, "the stream was buffered and delivered at once"
+
+
+def test_models_lists_every_model_and_adapter(router_url: str) -> None:
+    ids = {m.id for m in client(router_url).models.list()}
+    assert ids == {MODEL, GOLDEN_MODEL, "sql-adapter"}
+
+
+def test_tokenize_and_embeddings_pass_through(router_url: str) -> None:
+    r = httpx.post(router_url + "/tokenize", json={"model": MODEL, "prompt": "Hello world"}, headers=headers())
+    assert r.status_code == 200 and r.json()["tokens"]
+    assert r.headers["x-kvrouter-backend"].startswith("sim-")
+    r = httpx.post(router_url + "/v1/embeddings", json={"model": MODEL, "input": "x"}, headers=headers())
+    assert "x-kvrouter-backend" in r.headers  # whatever the engine answers, it came from one
+
+
+def test_lora_adapter_routes_to_the_base_pool_and_hashes_differently(router_url: str) -> None:
+    text = unique_text(200)
+    base = httpx.post(router_url + "/debug/route", json={"model": MODEL, "prompt": text}, headers=headers()).json()
+    lora = httpx.post(router_url + "/debug/route", json={"model": "sql-adapter", "prompt": text}, headers=headers()).json()
+    assert base["model"] == lora["model"] == MODEL
+    assert base["num_tokens"] == lora["num_tokens"]
+
+
+# -- errors ---------------------------------------------------------------------------
+
+
+def error_of(r: httpx.Response) -> dict[str, Any]:
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "code"} and err["message"]
+    return err
+
+
+@pytest.mark.parametrize(
+    ("content", "status", "code"),
+    [
+        (b'{"model": "qwen3-0.6b", "prompt": ', 400, "invalid_json"),
+        (b'{"model": "qwen3-0.6b", "prompt": "caf\xe9"}', 400, "invalid_encoding"),
+        (b'["not an object"]', 400, "invalid_json"),
+        (b'{"prompt": "hi"}', 400, "missing_model"),
+        (b'{"model": "qwen3-0.6b"}', 400, "missing_prompt"),
+        (b'{"model": "no-such-model", "prompt": "hi"}', 404, "model_not_found"),
+        (b'{"model": "qwen3-0.6b", "prompt": "hi", "stream": "yes"}', 400, "invalid_request"),
+    ],
+)
+def test_bad_requests_get_openai_errors(router_url: str, content: bytes, status: int, code: str) -> None:
+    r = httpx.post(router_url + "/v1/completions", content=content, headers={**headers(), "content-type": "application/json"})
+    assert r.status_code == status, r.text
+    assert error_of(r)["code"] == code
+
+
+def test_chat_without_messages_is_400(router_url: str) -> None:
+    r = httpx.post(router_url + "/v1/chat/completions", json={"model": MODEL, "messages": []}, headers=headers())
+    assert r.status_code == 400 and error_of(r)["code"] == "missing_messages"
+
+
+def test_prompt_over_max_model_len_is_400(router_url: str) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        client(router_url).completions.create(model=MODEL, prompt=[7] * (MAX_MODEL_LEN + 1), max_tokens=1)
+    assert e.value.status_code == 400 and e.value.code == "context_length_exceeded"
+    r = httpx.post(router_url + "/v1/completions", json={"model": MODEL, "prompt": [7] * 100, "max_tokens": MAX_MODEL_LEN}, headers=headers())
+    assert r.status_code == 400 and error_of(r)["code"] == "context_length_exceeded"
+
+
+def test_body_over_the_limit_is_413(router_url: str) -> None:
+    r = httpx.post(router_url + "/v1/completions", json={"model": MODEL, "prompt": "x" * (MAX_BODY + 10)}, headers=headers())
+    assert r.status_code == 413 and error_of(r)["code"] == "request_too_large"
+
+
+def test_wrong_api_key_is_401_also_for_debug(router_url: str) -> None:
+    with pytest.raises(openai.AuthenticationError):
+        client(router_url, key="sk-wrong").completions.create(model=MODEL, prompt="hi", max_tokens=1)
+    for method, path in (("POST", "/debug/route"), ("GET", "/debug/backends"), ("GET", "/v1/models")):
+        r = httpx.request(method, router_url + path, json={"model": MODEL, "prompt": "hi"}, headers=headers("nope"))
+        assert r.status_code == 401 and error_of(r)["code"] == "invalid_api_key"
+    assert httpx.get(router_url + "/health").status_code == 200
+
+
+def test_engine_errors_pass_through_in_openai_shape(router_url: str) -> None:
+    with pytest.raises(openai.BadRequestError):
+        client(router_url).completions.create(model=MODEL, prompt="hi", max_tokens=1, extra_body={"min_tokens": -1})
+
+
+# -- /debug -----------------------------------------------------------------------------
+
+
+def test_debug_route_predicts_what_the_engine_reports_cached(router_url: str) -> None:
+    text = unique_text(300)
+    first = client(router_url).completions.with_raw_response.create(model=MODEL, prompt=text, max_tokens=1)
+    backend = first.headers["x-kvrouter-backend"]
+    body = {"model": MODEL, "prompt": text + " and more", "max_tokens": 1}
+    deadline = time.monotonic() + 10
+    while True:
+        d = httpx.post(router_url + "/debug/route", json=body, headers=headers()).json()
+        mine = next(c for c in d["candidates"] if c["backend"] == backend)
+        if mine["matched_blocks"] > 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert [c["backend"] for c in d["candidates"]] == [f"sim-{i}" for i in range(N_ENGINES)]
+    assert d["backend"] == backend and d["reason"] == "cache_hit"
+    n, bs = d["num_tokens"], d["block_size"]
+    assert mine["predicted_cached_tokens"] == min(mine["matched_blocks"], (n - 1) // bs) * bs
+    second = client(router_url).completions.create(**body)
+    assert second.usage.prompt_tokens == n
+    assert second.usage.prompt_tokens_details.cached_tokens == mine["predicted_cached_tokens"]
+
+
+def test_debug_backends_shows_load_and_event_streams(router_url: str) -> None:
+    backends = httpx.get(router_url + "/debug/backends", headers=headers()).json()["backends"]
+    assert [b["name"] for b in backends] == [f"sim-{i}" for i in range(N_ENGINES)]
+    for b in backends:
+        assert b["healthy"] is True and b["url"].startswith("http://127.0.0.1:")
+        assert b["connected"] is True
+        for key in ("last_seq", "gaps", "replays", "blocks", "rehash_mode"):
+            assert key in b
+        assert {"in_flight", "prefill_tokens", "decode_seqs"} <= set(b["load"])
+
+
+def test_metrics_expose_router_series(router_url: str) -> None:
+    client(router_url).completions.create(model=MODEL, prompt="metrics please", max_tokens=1)
+    text = httpx.get(router_url + "/metrics").text
+    for name in (
+        "kvrouter_requests_total", "kvrouter_routing_decisions_total", "kvrouter_matched_blocks_bucket",
+        "kvrouter_predicted_hit_ratio_bucket", "kvrouter_tokenize_seconds_bucket", "kvrouter_hash_seconds_bucket",
+        "kvrouter_lookup_seconds_bucket", "kvrouter_overhead_seconds_bucket", "kvrouter_backend_in_flight_requests",
+        "kvrouter_backend_healthy", "kvrouter_event_stream_last_seq", "kvrouter_kv_stream_connected",
+    ):
+        assert name in text, name
+
+
+def golden_cases() -> list[dict[str, Any]]:
+    path = GOLDEN / "render_vectors_vllm-0.33.0_qwen3-0.6b-tok.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_golden_render_vectors_through_debug_route(router_url: str) -> None:
+    cases = golden_cases()
+    assert len(cases) == 86
+    failures = []
+    with httpx.Client(base_url=router_url, headers=headers(), timeout=30) as http:
+        for case in cases:
+            r = http.post("/debug/route?include_tokens=true", json=case["request"])
+            want = case["prompt_token_ids"]
+            if want is None:
+                if r.status_code != 400:
+                    failures.append((case["id"], "expected 400", r.status_code))
+                continue
+            if r.status_code != 200:
+                failures.append((case["id"], r.status_code, r.text[:200]))
+                continue
+            first = want[0] if want and isinstance(want[0], list) else want
+            if r.json()["token_ids"] != first:
+                failures.append((case["id"], "token ids differ"))
+    assert not failures, failures
+
+
+# -- every policy -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "random", "least_loaded", "power_of_two", "session", "prefix_approx", "kv_aware"])
+def test_every_policy_routes_real_requests(fleet: dict[str, Any], policy: str) -> None:
+    with InProcessRouter(fleet_config(fleet, policy=policy)) as r:
+        c = client(r.url, key="unused")
+        seen = Counter()
+        for i in range(12):
+            raw = c.chat.completions.with_raw_response.create(
+                model=MODEL, messages=[{"role": "user", "content": f"question {i}"}], max_tokens=2,
+                extra_headers={"x-session-id": "alice"},
+            )
+            assert raw.parse().choices[0].message.content is not None
+            seen[raw.headers["x-kvrouter-backend"]] += 1
+        route = httpx.post(r.url + "/debug/route", json={"model": MODEL, "prompt": "x"}).json()
+        assert route["policy"] == policy and route["reason"]
+        if policy == "round_robin":
+            assert set(seen.values()) == {3}
+        if policy == "session":
+            assert len(seen) == 1
+        wait_idle(r.url)
+
+
+def test_prefix_approx_keeps_a_conversation_on_one_backend(fleet: dict[str, Any]) -> None:
+    with InProcessRouter(fleet_config(fleet, policy="prefix_approx")) as r:
+        c = client(r.url, key="unused")
+        history = [{"role": "system", "content": unique_text(400)}]
+        backends = set()
+        for turn in range(4):
+            history.append({"role": "user", "content": f"turn {turn}"})
+            raw = c.chat.completions.with_raw_response.create(model=MODEL, messages=history, max_tokens=4)
+            backends.add(raw.headers["x-kvrouter-backend"])
+            history.append({"role": "assistant", "content": raw.parse().choices[0].message.content})
+        assert len(backends) == 1
+
+
+# -- the burst: a new 4k-token prefix over four backends -----------------------------
+
+
+def test_burst_sharing_a_new_prefix_follows_the_first_request(fleet: dict[str, Any]) -> None:
+    with InProcessRouter(fleet_config(fleet, policy="kv_aware")) as r:
+        system = unique_text(800)
+        probe = httpx.post(r.url + "/debug/route", json={"model": MODEL, "messages": [{"role": "system", "content": system}]}).json()
+        assert 3900 <= probe["num_tokens"] <= 4800, probe["num_tokens"]  # a 4k-token prefix
+
+        def body(i: int) -> dict[str, Any]:
+            return {"model": MODEL, "messages": [{"role": "system", "content": system}, {"role": "user", "content": f"follower {i}"}], "max_tokens": 2}
+
+        async def burst() -> tuple[str, list[tuple[str, str]]]:
+            async with httpx.AsyncClient(base_url=r.url, timeout=60) as http:
+                async with http.stream("POST", "/v1/chat/completions", json={**body(-1), "stream": True}) as first:
+                    leader = first.headers["x-kvrouter-backend"]
+                    sem = asyncio.Semaphore(32)
+
+                    async def follower(i: int) -> tuple[str, str]:
+                        async with sem:
+                            resp = await http.post("/v1/chat/completions", json=body(i))
+                            assert resp.status_code == 200, resp.text
+                            return resp.headers["x-kvrouter-backend"], resp.headers["x-kvrouter-reason"]
+
+                    results = await asyncio.gather(*(follower(i) for i in range(199)))
+                    await first.aread()
+                return leader, results
+
+        leader, results = asyncio.run(burst())
+        on_leader = sum(1 for b, _ in results if b == leader)
+        reasons = Counter(reason for _, reason in results)
+        guarded = reasons["load_guard"]
+        assert on_leader >= 0.9 * (len(results) - guarded), (leader, Counter(b for b, _ in results), reasons)
+        assert all(reason in ("cache_hit", "speculative_hit", "load_guard", "load_balance") for _, reason in results), reasons
+        explained = httpx.post(r.url + "/debug/route", json=body(1000)).json()
+        assert explained["backend"] == leader and explained["reason"] in ("cache_hit", "speculative_hit")
+        lead = next(c for c in explained["candidates"] if c["backend"] == leader)
+        assert max(lead["matched_blocks"], lead["speculative_blocks"]) >= probe["num_tokens"] // 16 - 1
+        wait_idle(r.url)
+
+
+# -- chaos: load counters return to zero on every path ------------------------------------
+
+
+def fault(fleet: dict[str, Any], i: int, **update: Any) -> None:
+    r = httpx.post(f"http://127.0.0.1:{fleet['http'] + i}/debug/fault", json=update, timeout=5)
+    assert r.status_code == 200, r.text
+
+
+def test_load_returns_to_zero_after_chaos(fleet: dict[str, Any], router_url: str) -> None:
+    async def disconnecting_client(http: httpx.AsyncClient, i: int) -> None:
+        body = {"model": MODEL, "prompt": f"disconnect {i} " + unique_text(50), "max_tokens": 2000, "stream": True, "ignore_eos": True}
+        async with http.stream("POST", "/v1/completions", json=body) as resp:
+            n = 0
+            async for _ in resp.aiter_raw():
+                n += 1
+                if n >= 3:
+                    break  # leave mid-stream: the router must cancel upstream
+
+    async def long_stream(http: httpx.AsyncClient, i: int) -> str:
+        body = {"model": MODEL, "prompt": f"survive {i}", "max_tokens": 400, "stream": True, "ignore_eos": True}
+        try:
+            async with http.stream("POST", "/v1/completions", json=body) as resp:
+                backend = resp.headers.get("x-kvrouter-backend", "")
+                async for _ in resp.aiter_raw():
+                    pass
+                return backend
+        except httpx.HTTPError:
+            return "cut"
+
+    async def plain(http: httpx.AsyncClient, i: int) -> int:
+        resp = await http.post("/v1/completions", json={"model": MODEL, "prompt": f"plain {i}", "max_tokens": 3})
+        return resp.status_code
+
+    async def chaos() -> Counter:
+        async with httpx.AsyncClient(base_url=router_url, headers=headers(), timeout=60) as http:
+            fault(fleet, 1, error_rate=1.0)
+            streams = [asyncio.create_task(long_stream(http, i)) for i in range(16)]
+            disconnects = [asyncio.create_task(disconnecting_client(http, i)) for i in range(16)]
+            await asyncio.sleep(0.3)
+            fault(fleet, 2, down_s=2.0)  # killed with streams in flight; restarts empty
+            statuses = await asyncio.gather(*(plain(http, i) for i in range(40)))
+            await asyncio.gather(*disconnects)
+            await asyncio.gather(*streams)
+            fault(fleet, 1, error_rate=0.0)
+            return Counter(statuses)
+
+    statuses = asyncio.run(chaos())
+    assert statuses[200] > 0 and set(statuses) <= {200, 500, 502}, statuses
+    wait_idle(router_url)
+    for i in range(N_ENGINES):
+        wait_http(f"http://127.0.0.1:{fleet['http'] + i}/health", timeout=30)
+    metrics = httpx.get(router_url + "/metrics").text
+    assert "kvrouter_client_disconnects_total" in metrics
