@@ -307,7 +307,10 @@ class FleetSubscriber:
             log.error("kv-events thread did not stop within %.1fs", timeout)
         self._thread = None
         if self._ctx is not None:
-            self._ctx.term() if not thread.is_alive() else self._ctx.destroy(linger=0)
+            if thread.is_alive():
+                self._ctx.destroy(linger=0)
+            else:
+                self._ctx.term()
             self._ctx = None
 
     @property
@@ -455,6 +458,7 @@ class FleetSubscriber:
             st.dealer = None
 
     def _zero_gauges(self, st: _Stream) -> None:
+        """A removed worker's gauges read 0 (its counters keep their history)."""
         self._metrics.connected.labels(*st.labels).set(0)
         self._metrics.rehash.labels(*st.labels).set(0)
 
