@@ -31,7 +31,7 @@ import httpx
 
 from loadtest import report, workloads
 from loadtest.fleet import Fleet, FleetError, FleetSpec, Router, scrape
-from loadtest.replay import ReplayResult, Replayer, add_workload_args, load_workload
+from loadtest.replay import ReplayResult, Replayer, add_workload_args, load_workload, write_records
 from loadtest.workloads import Workload, WorkloadError
 
 DEFAULT_POLICIES = "round_robin,least_loaded,kv_aware"
@@ -58,6 +58,7 @@ class EngineSampler:
         self.time_scale = time_scale
         self.samples: list[report.LoadSample] = []
         self.failures = 0
+        self.max_lag_s = 0.0
         self.t0 = time.perf_counter()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="engine-sampler", daemon=True)
@@ -82,6 +83,7 @@ class EngineSampler:
                     t = (time.perf_counter() - self.t0) * self.time_scale
                     self.samples.append(report.LoadSample(t, e.name, m.get("vllm:num_requests_running", 0.0),
                                                           m.get("vllm:num_requests_waiting", 0.0)))
+                    self.max_lag_s = max(self.max_lag_s, m.get("kvrouter_sim:clock_lag_seconds", 0.0))
 
 
 def _parse(text: str) -> dict[str, float]:
@@ -171,17 +173,23 @@ def run_policy(workload: Workload, spec: FleetSpec, policy: str, workdir: Path, 
         router_metrics = _try_scrape(router.url + "/metrics")
         engine_metrics = {e.name: _try_scrape(e.url + "/metrics") for e in fleet.engines}
     summary = res.summary()
-    engine_hits = sum(m.get("vllm:prefix_cache_hits_total", 0.0) for m in engine_metrics.values())
-    engine_queries = sum(m.get("vllm:prefix_cache_queries_total", 0.0) for m in engine_metrics.values())
     result = {
         "policy": policy,
         **summary,
         "load_imbalance": report.imbalance(summary["backend_requests"]),
-        "router_overhead_ms": overhead,
-        "engine_prefix_hit_ratio": engine_hits / engine_queries if engine_queries else None,
-        "router_metrics": {k: v for k, v in router_metrics.items() if k.startswith("kvrouter_") and "_bucket" not in k},
+        "router_overhead_ms": _mean_ms(router_metrics, "kvrouter_overhead_seconds"),
+        "router_decision_probe_ms": overhead,
+        "engine_prefix_hit_ratio": _ratio(engine_metrics, "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"),
+        "engine_ttft_mean_s": _ratio(engine_metrics, "vllm:time_to_first_token_seconds_sum",
+                                     "vllm:time_to_first_token_seconds_count"),
+        "engine_queue_mean_s": _ratio(engine_metrics, "vllm:request_queue_time_seconds_sum",
+                                      "vllm:request_queue_time_seconds_count"),
+        "engine_max_clock_lag_s": sampler.max_lag_s,
+        "router_metrics": {k: v for k, v in router_metrics.items()
+                           if k.startswith("kvrouter_") and not k.endswith(("_bucket", "_created"))},
         "scrape_failures": sampler.failures,
     }
+    write_records(res.records, workdir / f"records-{policy}.jsonl")
     return PolicyRun(result, report.PolicyTrace(policy, res.records, sampler.samples, spec.speedup))
 
 
@@ -204,6 +212,16 @@ def _run_with_progress(replayer: Replayer, workload: Workload, sampler: EngineSa
         task_id = bar.add_task(label, total=workload.num_requests)
         replayer.on_done = lambda rec: bar.update(task_id, advance=1)
         return asyncio.run(go())
+
+
+def _mean_ms(metrics: dict[str, float], hist: str) -> float | None:
+    n = metrics.get(hist + "_count", 0.0)
+    return metrics.get(hist + "_sum", 0.0) / n * 1000 if n else None
+
+
+def _ratio(per_engine: dict[str, dict[str, float]], num: str, den: str) -> float | None:
+    d = sum(m.get(den, 0.0) for m in per_engine.values())
+    return sum(m.get(num, 0.0) for m in per_engine.values()) / d if d else None
 
 
 def _try_scrape(url: str) -> dict[str, float]:

@@ -27,8 +27,9 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from locust import User, events, task  # first: Locust monkey-patches ssl, which must precede requests
+
 import requests
-from locust import User, events, task
 
 from loadtest import workloads
 from loadtest.workloads import Session, Turn

@@ -43,6 +43,10 @@ def imbalance(backend_requests: dict[str, int]) -> float | None:
     return max(counts) / (sum(counts) / len(counts))
 
 
+def _first(*values: float | None) -> float | None:
+    return next((v for v in values if v is not None), None)
+
+
 def _ms(v: float | None) -> str:
     return "-" if v is None else f"{v * 1000:,.0f}"
 
@@ -62,7 +66,7 @@ def table_rows(runs: list[dict[str, Any]]) -> list[list[str]]:
             r["policy"], _ms(r["ttft_s"]["p50"]), _ms(r["ttft_s"]["p90"]), _ms(r["ttft_s"]["p99"]),
             _ms(r["e2e_s"]["p50"]), _ms(r["e2e_s"]["p99"]), _f(r["output_tokens_per_s"], ",.0f"),
             _f(r["cached_ratio"], ".3f"), _f(r.get("ideal_cached_ratio"), ".3f"), _f(r.get("load_imbalance"), ".2f"),
-            _f(r.get("router_overhead_ms"), ".2f"), f"{r['errors']}/{r['requests']}",
+            _f(_first(r.get("router_overhead_ms"), r.get("router_decision_probe_ms")), ".2f"), f"{r['errors']}/{r['requests']}",
         ])
     return rows
 
@@ -107,8 +111,9 @@ def write_markdown(path: Path, meta: dict[str, Any], runs: list[dict[str, Any]],
     lines += ["", markdown_table(runs), ""]
     lines += [f"- {s}" for s in comparison(runs)]
     lines += ["", "Times are engine seconds (wall time x the simulator's speedup). The ideal ratio is what one engine",
-              "with an infinite cache would reuse across the same prompts; router overhead is the median time of",
-              "the router's routing decision (`POST /debug/route` minus a `GET /health` round trip).", ""]
+              "with an infinite cache would reuse across the same prompts. Router overhead is wall milliseconds,",
+              "the mean of the router's `kvrouter_overhead_seconds` (request received to upstream request sent)",
+              "during the run.", ""]
     lines += [f"![{p}]({p})" for p in plots]
     path.write_text("\n".join(lines) + "\n")
 
