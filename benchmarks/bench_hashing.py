@@ -63,10 +63,11 @@ def hand_pickle_chain(hasher: BlockHasher, tokens: list[int]) -> list[bytes]:
     block_ends = ends[BLOCK_SIZE - 1 :: BLOCK_SIZE]
     frame_sizes = (np.diff(block_ends, prepend=0) + 10 + len(hasher.none_hash)).astype("<u8").tobytes()
     head = b"C" + bytes((len(hasher.none_hash),))
-    parent, out, start, digest = hasher.none_hash, [], 0, hasher._digest
+    parent, out, start, new = hasher.none_hash, [], 0, hasher._new
     for i, end in enumerate(block_ends.tolist()):
         frame = frame_sizes[8 * i : 8 * i + 8]
-        parent = digest(b"".join((b"\x80\x05\x95", frame, head, parent, b"\x94(", data[start:end], b"t\x94N\x87\x94.")))
+        message = (b"\x80\x05\x95", frame, head, parent, b"\x94(", data[start:end], b"t\x94N\x87\x94.")
+        parent = new(b"".join(message)).digest()
         out.append(parent)
         start = end
     return out

@@ -53,10 +53,11 @@ class HashConfigError(ValueError):
 class Dialect:
     """How one range of vLLM versions forms block hashes.
 
-    ``mm_key`` also fixes the overlap rule: the bare-identifier versions compare block
-    ends exclusively-inclusive (``start > offset + length`` skips an item), the
-    offset-carrying ones (vLLM PR #36708) use ``>=``. Only the cursor-less decode path
-    and zero-length items can tell the two apart, but both are kept exact.
+    ``mm_key`` also fixes the overlap rule. With bare identifiers a block skips an item
+    only when it starts *after* the item's end, and the walk stops early only when the
+    last item ends before the block; vLLM PR #36708 (which added the offset) made both
+    comparisons include equality. The item cursor vLLM carries from block to block hides
+    the difference except for zero-length or out-of-order items; both rules are kept.
     """
 
     name: str
@@ -285,7 +286,6 @@ class BlockHasher:
         self.block_size = block_size
         self.vllm_version = vllm_version
         self.seed = None if seed is None else str(seed)
-        self._digest = _digest_fn(algo)
         self._new = _hash_new(algo)
         self._cbor = algo.endswith("_cbor")
         self.none_hash = self._none_hash()
@@ -294,9 +294,9 @@ class BlockHasher:
     def _none_hash(self) -> bytes:
         """NONE_HASH: hash_fn(seed) when set; when unset, fixed only for >= 0.30 crypto algorithms."""
         if self.seed is not None:
-            return self._digest(_serialize_fn(self.algo)(self.seed))
+            return self._new(_serialize_fn(self.algo)(self.seed)).digest()
         if self.dialect.unset_seed_fixed and self.algo.startswith("sha256"):
-            return self._digest(_serialize_fn(self.algo)(UNSET_SEED_FIXED_INPUT))
+            return self._new(_serialize_fn(self.algo)(UNSET_SEED_FIXED_INPUT)).digest()
         why = (
             "xxhash algorithms seed the chain randomly"
             if self.dialect.unset_seed_fixed
@@ -319,8 +319,9 @@ class BlockHasher:
         if self._cbor:
             data = self._cbor_message(parent, tokens, self._cbor_extra(extra_keys))
             if data is not None:
-                return self._digest(data)
-        return _reference_hash_block(self.algo, parent, tokens, extra_keys)
+                return self._new(data).digest()
+            return _reference_hash_block(self.algo, parent, tokens, extra_keys)
+        return self._new(pickle.dumps((parent, tuple(tokens), extra_keys), PICKLE_PROTOCOL)).digest()
 
     def _cbor_extra(self, extra_keys: tuple | None) -> bytes:
         return _CBOR_NULL if extra_keys is None else cbor2.dumps(extra_keys, canonical=True)
@@ -451,7 +452,7 @@ class BlockHasher:
             if data is None:
                 parent = _reference_hash_block(self.algo, parent, tokens, extras[i])
             else:
-                parent = self._digest(data)
+                parent = self._new(data).digest()
             out.append(parent)
         return out
 
