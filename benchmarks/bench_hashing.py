@@ -4,9 +4,10 @@ Workload: one prompt of ``--tokens`` random token ids (default 8192, Qwen3's id 
 block size 16, PYTHONHASHSEED "0", vLLM 0.33, no extra keys; plus one LoRA + cache_salt
 row for sha256_cbor (the tagged extra keys go through cbor2 once per distinct tuple).
 
-The naive baseline is vLLM's own recipe spelled plainly: for each block,
-``hash_fn(serialize((parent, tuple(tokens), None)))`` with ``pickle.dumps`` or
-``cbor2.dumps(canonical=True)`` (``_reference_hash_block``). For the pickle algorithms a
+The naive baseline is vLLM's own loop: for each block,
+``hash_fn(serialize((parent, tuple(tokens), extra)))`` with ``pickle.dumps`` or
+``cbor2.dumps(canonical=True)``, and the first block is also checked against
+``_reference_hash_block``. For the pickle algorithms a
 third column times a hand-emitted pickle (numpy-encoded opcodes, the trick the CBOR path
 uses), which is why ``hash_blocks`` keeps calling ``pickle.dumps`` there.
 
@@ -21,12 +22,16 @@ to produce the same digests first.
 from __future__ import annotations
 
 import argparse
+import hashlib
+import pickle
 import random
 import statistics
 import time
 from collections.abc import Callable
 
+import cbor2
 import numpy as np
+import xxhash
 from rich.console import Console
 from rich.table import Table
 
@@ -37,12 +42,20 @@ LORA = {"name": "sql-adapter", "path": "/adapters/sql", "int_id": 7}
 
 
 def naive_chain(
-    hasher: BlockHasher, tokens: list[int], extra_first: tuple | None, extra_rest: tuple | None
+    algo: str, none_hash: bytes, tokens: list[int], extra_first: tuple | None, extra_rest: tuple | None
 ) -> list[bytes]:
-    parent, out = hasher.none_hash, []
+    """vLLM's loop as vLLM writes it: ``hash_fn((parent, tuple(tokens), extra))`` per block."""
+    if algo.endswith("_cbor"):
+        def serialize(obj: object) -> bytes:
+            return cbor2.dumps(obj, canonical=True)
+    else:
+        def serialize(obj: object) -> bytes:
+            return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    new = hashlib.sha256 if algo.startswith("sha256") else xxhash.xxh3_128
+    parent, out = none_hash, []
     for i in range(len(tokens) // BLOCK_SIZE):
         extra = extra_first if i == 0 else extra_rest
-        parent = _reference_hash_block(hasher.algo, parent, tokens[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE], extra)
+        parent = new(serialize((parent, tuple(tokens[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE]), extra))).digest()
         out.append(parent)
     return out
 
@@ -103,11 +116,13 @@ def main() -> None:
         extra_first = (*(extra_rest or ()), d.salt_extra_key(salt)) if salt else extra_rest
         variants: dict[str, Callable[[], list[bytes]]] = {
             "fast": lambda: hasher.hash_blocks(tokens, lora=lora, cache_salt=salt),
-            "naive": lambda: naive_chain(hasher, tokens, extra_first, extra_rest),
+            "naive": lambda: naive_chain(algo, hasher.none_hash, tokens, extra_first, extra_rest),
         }
         if not algo.endswith("_cbor"):
             variants["hand pickle"] = lambda: hand_pickle_chain(hasher, tokens)
         want = variants["naive"]()
+        if want[0] != _reference_hash_block(algo, hasher.none_hash, tokens[:BLOCK_SIZE], extra_first):
+            raise SystemExit(f"{algo}: the naive loop disagrees with the reference")
         for name, fn in variants.items():
             if fn() != want:
                 raise SystemExit(f"{algo}: {name} disagrees with the reference")
