@@ -185,11 +185,11 @@ def _reference_hash_block(algo: str, parent: bytes, tokens: Sequence[int], extra
 # --- hand-emitted canonical CBOR ------------------------------------------------------
 
 _CBOR_NULL = b"\xf6"
-_CBOR_MAX_FAST = 1 << 32
+_U32_CODE = next(code for code in "ILH" if array(code).itemsize == 4)
 # Token classes by magnitude: < 24 (1 byte), < 256 (2), < 65536 (3), < 2**32 (5).
-_CBOR_BOUNDS = np.array([24, 256, 65536], dtype=np.int64)
+_CBOR_BOUNDS = np.array([24, 256, 65536], dtype=np.uint32)
 _CBOR_WIDTH = np.array([1, 2, 3, 5], dtype=np.int64)
-_CBOR_LEAD = np.array([0, 0x18 << 8, 0x19 << 16, 0x1A << 32], dtype=np.int64)
+_CBOR_LEAD = np.array([0, 0x18 << 8, 0x19 << 16, 0x1A << 32], dtype=np.uint64)
 _CBOR_KEEP = np.arange(8) >= 8 - _CBOR_WIDTH[:, None]  # per class: the row's last w bytes
 
 
@@ -244,13 +244,14 @@ def _cbor_token_blob(token_ids: Sequence[int]) -> tuple[bytes, np.ndarray] | Non
     Vectorised so the per-token cost is a few numpy passes instead of Python calls:
     each token becomes one big-endian 8-byte row ``lead << 8*(w-1) | value`` whose last
     ``w`` bytes are exactly its CBOR encoding, and a per-class byte mask keeps those.
-    None when a token is outside [0, 2**32) (the caller falls back).
+    ``array`` of unsigned 32-bit ints is the fastest way from a list to numpy and
+    refuses anything but ints in [0, 2**32); then this returns None (the caller falls back).
     """
     try:
-        ints = np.frombuffer(array("q", token_ids), dtype=np.int64)
+        ints = np.frombuffer(array(_U32_CODE, token_ids), dtype=np.uint32)
     except (TypeError, OverflowError):
         return None
-    if ints.size == 0 or int(ints.min()) < 0 or int(ints.max()) >= _CBOR_MAX_FAST:
+    if ints.size == 0:
         return None
     cls = np.searchsorted(_CBOR_BOUNDS, ints, side="right")
     rows = (ints + _CBOR_LEAD[cls]).astype(">u8").view(np.uint8).reshape(-1, 8)
