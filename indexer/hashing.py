@@ -375,7 +375,7 @@ class BlockHasher:
         start = parent or self.none_hash
         if self._cbor:
             return self._chain_cbor(start, token_ids, n_blocks, extras, common, special)
-        return self._chain_pickle(start, token_ids, n_blocks, extras)
+        return self._chain_pickle(start, token_ids, extras)
 
     def hash_blocks_int64(self, token_ids: Sequence[int], **kwargs: Any) -> list[int]:
         """:meth:`hash_blocks` in the 64-bit form events carry (:func:`to_int64`)."""
@@ -414,12 +414,13 @@ class BlockHasher:
                 per_block.setdefault(i, []).append(d.prompt_embeds_extra_key(prompt_embeds_digests[i]))
         return (tuple(base) if base else None), {i: tuple(base + keys) for i, keys in per_block.items()}
 
-    def _chain_pickle(self, parent: bytes, token_ids: Sequence[int], n_blocks: int, extras: list) -> list[bytes]:
-        new, dumps, size, proto = self._new, pickle.dumps, self.block_size, PICKLE_PROTOCOL
+    def _chain_pickle(self, parent: bytes, token_ids: Sequence[int], extras: list) -> list[bytes]:
+        """``pickle.dumps`` is C and beats a hand-emitted pickle (bench_hashing.py), so it is used as is."""
+        new, dumps, proto = self._new, pickle.dumps, PICKLE_PROTOCOL
+        blocks = zip(*[iter(token_ids)] * self.block_size)  # full blocks as tuples, built in C
         out = []
-        for i in range(n_blocks):
-            s = i * size
-            parent = new(dumps((parent, tuple(token_ids[s : s + size]), extras[i]), proto)).digest()
+        for tokens, extra in zip(blocks, extras):
+            parent = new(dumps((parent, tokens, extra), proto)).digest()
             out.append(parent)
         return out
 
