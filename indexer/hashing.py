@@ -359,10 +359,16 @@ class BlockHasher:
         ``hash_blocks(t[k*B:], parent=h[k-1], start_block=k, ...) == h[k:]`` for
         ``h = hash_blocks(t, ...)``. Without mm, salt or embeds the position does not
         matter and ``start_block`` may be left out.
+
+        This is the prompt's hashing. For blocks that *generated* tokens complete, vLLM
+        restarts its multimodal cursor at the last item, which before 0.19.1 can key the
+        block right after an item ending on a block boundary with that item; such blocks
+        of multimodal requests are not modelled.
         """
         first = self._first_block(parent, start_block, cache_salt, mm)
         if parent is not None and not isinstance(parent, bytes):
-            raise ValueError(f"parent must be the bytes digest of the previous block, got {type(parent).__name__}")
+            kind = type(parent).__name__
+            raise ValueError(f"parent must be the bytes digest of the previous block, got {kind}")
         if not isinstance(token_ids, (list, tuple)):
             token_ids = token_ids.tolist() if hasattr(token_ids, "tolist") else [int(t) for t in token_ids]
         n_blocks = len(token_ids) // self.block_size
