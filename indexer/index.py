@@ -26,8 +26,17 @@ Semantics common to both:
   that range). ``lookup`` does not check its keys (they come from the router's own
   hasher); an int outside the range cannot have been stored, so matching stops there.
 * ``medium=None`` means GPU (older engines send no medium).
-* ``block_counts`` counts (block, medium) entries per worker; a worker holding nothing
-  is absent.
+* A (worker, medium) may hold one key in several blocks: vLLM caches every newly full
+  block under its hash even when another block already has that hash (the commonest
+  case: an identical prompt of an exact multiple of ``block_size`` tokens, sent twice,
+  recomputes its last block into a second block), publishes ``BlockStored`` for each,
+  and one ``BlockRemoved`` per evicted block. So each (model, worker, medium, key) has
+  a copy count: every occurrence of the key in a ``store`` adds one copy, every
+  occurrence in a ``remove`` takes one away (never below none; removing a key not
+  held is a no-op), and the key is held while a copy is left. ``clear`` drops all
+  copies.
+* ``block_counts`` counts distinct (block key, medium) entries per worker, not copies;
+  a worker holding nothing is absent.
 """
 
 from __future__ import annotations
@@ -82,10 +91,10 @@ class Index(Protocol):
         """Apply one event batch in order (the subscriber thread calls this)."""
 
     def store(self, model: str, worker: Worker, keys: Sequence[int], medium: str | None = DEFAULT_MEDIUM) -> None:
-        """``worker`` now holds ``keys`` in ``medium``."""
+        """``worker`` now holds one more copy of each of ``keys`` in ``medium``."""
 
     def remove(self, model: str, worker: Worker, keys: Sequence[int], medium: str | None = DEFAULT_MEDIUM) -> None:
-        """``worker`` no longer holds ``keys`` in ``medium``; keys it did not hold are ignored."""
+        """``worker`` holds one copy fewer of each of ``keys`` in ``medium``; keys it did not hold are ignored."""
 
     def clear(self, model: str, worker: Worker) -> None:
         """Forget everything ``worker`` holds in every medium (AllBlocksCleared, restart, purge)."""
@@ -177,13 +186,18 @@ class _ModelIndex:
       since the last compaction (removed keys included, duplicates possible), as raw
       8-byte values: clearing a worker walks its own log, never the whole table.
     * ``counts[(slot, medium)]`` is the number of keys whose mask has the slot's bit.
+    * ``extras[(slot, medium)]`` maps a key to the copies the worker holds beyond the
+      first (always > 0), and only ever names keys whose mask has the slot's bit.
+      Duplicates are rare, so the bitmask table stays the whole picture for lookups and
+      this side dict is touched only by a store of a key already held and by removes
+      of a worker that has one.
     * ``workers`` (slot -> Worker) and ``order`` ((medium, table) best tier first) are
       tuples replaced whole, so a lookup on another thread reads a consistent snapshot.
 
     Writers hold :class:`MemoryIndex`'s lock; keys are already checked.
     """
 
-    __slots__ = ("counts", "logs", "order", "slots", "spreads", "tables", "workers")
+    __slots__ = ("counts", "extras", "logs", "order", "slots", "spreads", "tables", "workers")
 
     def __init__(self) -> None:
         self.slots: dict[Worker, int] = {}
@@ -192,6 +206,7 @@ class _ModelIndex:
         self.order: tuple[tuple[str, dict[int, int]], ...] = ()
         self.logs: dict[tuple[int, str], array] = {}
         self.counts: dict[tuple[int, str], int] = {}
+        self.extras: dict[tuple[int, str], dict[int, int]] = {}
         self.spreads: dict[int, int] = {}
 
     def slot(self, worker: Worker) -> int:
@@ -220,12 +235,17 @@ class _ModelIndex:
             log_ = self.logs[logkey] = array("Q")
         append = log_.append
         added = 0
+        extra: dict[int, int] | None = None
         for k in keys:
             m = get(k, 0)
             if not m & bit:
                 table[k] = m | bit
                 append(k)
                 added += 1
+            else:
+                if extra is None:
+                    extra = self.extras.setdefault(logkey, {})
+                extra[k] = extra.get(k, 0) + 1
         self.counts[logkey] = count = self.counts.get(logkey, 0) + added
         if len(log_) > 2 * count + 4096:
             self.logs[logkey] = array("Q", [k for k in dict.fromkeys(log_) if get(k, 0) & bit])
@@ -236,7 +256,12 @@ class _ModelIndex:
         if slot is None or table is None:
             return
         logkey = (slot, medium)
-        self.counts[logkey] = self.counts.get(logkey, 0) - _drop(table, 1 << slot, keys)
+        extra = self.extras.get(logkey)
+        if extra:
+            dropped = _drop_copies(table, 1 << slot, extra, keys)
+        else:
+            dropped = _drop(table, 1 << slot, keys)
+        self.counts[logkey] = self.counts.get(logkey, 0) - dropped
 
     def clear(self, worker: Worker) -> None:
         slot = self.slots.get(worker)
@@ -248,6 +273,7 @@ class _ModelIndex:
             if log_ is not None:
                 _drop(table, 1 << slot, log_)
             self.counts.pop(logkey, None)
+            self.extras.pop(logkey, None)
 
     def spread(self, mask: int) -> int:
         """``mask`` with slot ``s``'s bit moved to bit ``s * _FIELD``.
@@ -345,7 +371,7 @@ class MemoryIndex:
             return out
 
     def memory_bytes(self) -> int:
-        """Accounted bytes: dict tables, key objects, mask objects and per-worker logs.
+        """Accounted bytes: dict tables, key objects, mask objects, per-worker logs and extra copies.
 
         Exact for the containers (``sys.getsizeof``); each key object is counted at 36
         bytes (an int >= 2**60, which 15/16 of random 64-bit keys are) and each mask at
@@ -360,6 +386,7 @@ class MemoryIndex:
                 for table in mi.tables.values():
                     total += sys.getsizeof(table) + len(table) * (36 + value_bytes)
                 total += sum(sys.getsizeof(a) for a in mi.logs.values())
+                total += sum(sys.getsizeof(x) + len(x) * 36 for x in mi.extras.values())
         return total
 
 
@@ -368,6 +395,29 @@ def _drop(table: dict[int, int], bit: int, keys: Sequence[int]) -> int:
     get = table.get
     dropped = 0
     for k in keys:
+        m = get(k, 0)
+        if m & bit:
+            m ^= bit
+            if m:
+                table[k] = m
+            else:
+                del table[k]
+            dropped += 1
+    return dropped
+
+
+def _drop_copies(table: dict[int, int], bit: int, extra: dict[int, int], keys: Sequence[int]) -> int:
+    """:func:`_drop` for a worker with extra copies: a key with an extra copy loses that copy, not its bit."""
+    get = table.get
+    dropped = 0
+    for k in keys:
+        n = extra.get(k)
+        if n:
+            if n == 1:
+                del extra[k]
+            else:
+                extra[k] = n - 1
+            continue
         m = get(k, 0)
         if m & bit:
             m ^= bit

@@ -8,19 +8,32 @@ one model's keys share a slot and a lookup script may touch all of them):
   ``<medium>\\n<worker>`` where ``<worker>`` is ``["backend",dp_rank]`` in compact JSON.
 * ``s:<field>`` -- one set per (worker, medium): the worker's blocks in that medium,
   each member the key as 8 big-endian bytes.
+* ``x:<field>`` -- a hash per (worker, medium), present only while the worker holds
+  some key in more than one block: member -> copies beyond the first (always > 0,
+  only for members of ``s:<field>``). Lookups never read it; a remove decrements it
+  before taking the member out of the set.
 * ``{ns}:models`` -- the models written, for memory accounting.
 
 Why per-worker sets rather than one hash per block: a lookup asks each worker's set
 about a whole chunk of the chain with one ``SMISMEMBER`` (C speed, no per-block command
 inside the script), clearing a worker is an ``UNLINK`` of its sets (freed by Redis'
 background thread, no SCAN and no per-block work), and ``SCARD`` is the block count.
+Duplicates are rare, hence a side hash of extra copies rather than a count per member:
+the set stays what lookups read, and a remove of a (worker, medium) without a hash of
+extras is a plain ``SREM``.
 
 A lookup is one ``EVALSHA`` round trip: the script reads the registry, then for each
 worker walks the chain in growing chunks (16, 32, ... 4096 keys, so a worker that
 misses early costs little) and stops at its first miss. The script is read-only
-(``flags=no-writes``) so it also runs on replicas. Writes go through one pipeline per
-call (``apply``: one per event batch). Needs Redis >= 7.0 (shebang flags) or Valkey;
+(``flags=no-writes``) so it also runs on replicas. Needs Redis >= 7.0 (shebang flags) or Valkey;
 only core commands are used.
+
+Every write call (``apply``: one event batch; ``store``, ``remove``, ``clear``) is one
+``EVALSHA`` of :data:`_WRITE`, which must see a set before and after ``SADD`` to know
+which members were already held; a script also keeps a batch atomic, and a missing
+script (server restart) costs one reload with nothing half-applied. The model's name
+goes into ``{ns}:models`` (a different cluster slot) by a separate command, once per
+model per process.
 """
 
 from __future__ import annotations
@@ -38,8 +51,8 @@ from indexer.index import DEFAULT_MEDIUM, Hits, Worker, batch_ops, validate_keys
 
 __all__ = ["RedisIndex"]
 
-_CHUNK = 10_000
-"""Members per SADD/SREM command: bounds one command's size on the wire and in Redis."""
+_CHUNK = 4096
+"""Members per set command inside the write script: Lua's ``unpack`` is bounded (8000 in Redis' Lua)."""
 
 _LOOKUP = """#!lua flags=no-writes
 local prefix = ARGV[1]
@@ -116,14 +129,77 @@ end
 return out
 """
 
-_CLEAR = """
-local prefix = ARGV[1]
-local suffix = '\\n' .. ARGV[2]
-for _, f in ipairs(redis.call('HKEYS', KEYS[1])) do
-  if string.sub(f, -#suffix) == suffix then
-    redis.call('UNLINK', prefix .. 's:' .. f)
-    redis.call('HDEL', KEYS[1], f)
+_WRITE = """
+local reg, prefix, chunk = KEYS[1], ARGV[1], tonumber(ARGV[2])
+local function store(field, first, last)
+  if last < first then return end
+  redis.call('HSET', reg, field, 1)
+  local set, extras = prefix .. 's:' .. field, prefix .. 'x:' .. field
+  for a = first, last, chunk do
+    local b = math.min(a + chunk - 1, last)
+    local held = redis.call('SMISMEMBER', set, unpack(ARGV, a, b))
+    if redis.call('SADD', set, unpack(ARGV, a, b)) < b - a + 1 then
+      local seen = {}
+      for i = a, b do
+        local m = ARGV[i]
+        if held[i - a + 1] == 1 or seen[m] then
+          redis.call('HINCRBY', extras, m, 1)
+        else
+          seen[m] = true
+        end
+      end
+    end
   end
+end
+local function remove(field, first, last)
+  local set, extras = prefix .. 's:' .. field, prefix .. 'x:' .. field
+  for a = first, last, chunk do
+    local b = math.min(a + chunk - 1, last)
+    if redis.call('EXISTS', extras) == 0 then
+      redis.call('SREM', set, unpack(ARGV, a, b))
+    else
+      local had = redis.call('HMGET', extras, unpack(ARGV, a, b))
+      local left, before, gone = {}, {}, {}
+      for i = a, b do
+        local m = ARGV[i]
+        local c = left[m]
+        if c == nil then
+          c = tonumber(had[i - a + 1]) or 0
+          before[m] = c
+        end
+        if c > 0 then
+          left[m] = c - 1
+        else
+          left[m] = 0
+          gone[#gone + 1] = m
+        end
+      end
+      for m, c in pairs(left) do
+        if c ~= before[m] then
+          if c > 0 then redis.call('HSET', extras, m, c) else redis.call('HDEL', extras, m) end
+        end
+      end
+      if #gone > 0 then redis.call('SREM', set, unpack(gone)) end
+    end
+  end
+end
+local function clear(wid)
+  local suffix = '\\n' .. wid
+  for _, f in ipairs(redis.call('HKEYS', reg)) do
+    if string.sub(f, -#suffix) == suffix then
+      redis.call('UNLINK', prefix .. 's:' .. f, prefix .. 'x:' .. f)
+      redis.call('HDEL', reg, f)
+    end
+  end
+end
+local i = 3
+while i <= #ARGV do
+  local kind, name, n = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2])
+  local first, last = i + 3, i + 2 + n
+  if kind == 's' then store(name, first, last)
+  elseif kind == 'r' then remove(name, first, last)
+  else clear(name) end
+  i = last + 1
 end
 return 0
 """
@@ -164,7 +240,7 @@ class RedisIndex:
         self._url = url
         self._ns = namespace
         self._redis = redis.Redis.from_url(url)
-        self._clear_script = self._redis.register_script(_CLEAR)
+        self._write_script = self._redis.register_script(_WRITE)
         self._models_seen: set[str] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._aredis: aredis.Redis | None = None
@@ -179,59 +255,39 @@ class RedisIndex:
             raise ValueError(f"medium {medium!r} must not contain a newline")
         return f"{medium}\n{_worker_id(worker)}"
 
-    def _queue_store(self, pipe: redis.client.Pipeline, model: str, worker: Worker, keys: Sequence[int], medium: str | None) -> None:
+    def _write(self, model: str, ops: Sequence[tuple[str, str, Sequence[int]]]) -> None:
+        """Run ``ops`` -- (kind ``s``/``r``/``c``, field or worker id, keys) -- in one script call."""
         if model not in self._models_seen:
-            pipe.sadd(f"{self._ns}:models", model)
+            self._redis.sadd(f"{self._ns}:models", model)
             self._models_seen.add(model)
-        if not keys:
-            return
-        prefix, field = self._prefix(model), self._field(worker, medium)
-        pipe.hset(prefix + "reg", field, 1)
-        members = _members(keys)
-        for i in range(0, len(members), _CHUNK):
-            pipe.sadd(prefix + "s:" + field, *members[i : i + _CHUNK])
-
-    def _queue_remove(self, pipe: redis.client.Pipeline, model: str, worker: Worker, keys: Sequence[int], medium: str | None) -> None:
-        if not keys:
-            return
-        setkey = self._prefix(model) + "s:" + self._field(worker, medium)
-        members = _members(keys)
-        for i in range(0, len(members), _CHUNK):
-            pipe.srem(setkey, *members[i : i + _CHUNK])
-
-    def _queue_clear(self, pipe: redis.client.Pipeline, model: str, worker: Worker) -> None:
-        prefix = self._prefix(model)
-        self._clear_script(keys=[prefix + "reg"], args=[prefix, _worker_id(worker)], client=pipe)
+        args: list[object] = []
+        for kind, name, keys in ops:
+            args += (kind, name, len(keys))
+            args += _members(keys)
+        if args:
+            prefix = self._prefix(model)
+            self._write_script(keys=[prefix + "reg"], args=[prefix, _CHUNK, *args])
 
     def apply(self, model: str, worker: Worker, batch: EventBatch) -> None:
         ops = batch_ops(batch)
         if not ops:
             return
-        pipe = self._redis.pipeline(transaction=False)
-        for op in ops:
-            if op.kind == "store":
-                self._queue_store(pipe, model, worker, op.keys, op.medium)
-            elif op.kind == "remove":
-                self._queue_remove(pipe, model, worker, op.keys, op.medium)
-            else:
-                self._queue_clear(pipe, model, worker)
-        pipe.execute()
+        self._write(model, [
+            ("c", _worker_id(worker), ()) if op.kind == "clear"
+            else ("s" if op.kind == "store" else "r", self._field(worker, op.medium), op.keys)
+            for op in ops
+        ])
 
     def store(self, model: str, worker: Worker, keys: Sequence[int], medium: str | None = DEFAULT_MEDIUM) -> None:
         validate_keys(keys)
-        pipe = self._redis.pipeline(transaction=False)
-        self._queue_store(pipe, model, worker, keys, medium)
-        pipe.execute()
+        self._write(model, [("s", self._field(worker, medium), keys)])
 
     def remove(self, model: str, worker: Worker, keys: Sequence[int], medium: str | None = DEFAULT_MEDIUM) -> None:
         validate_keys(keys)
-        pipe = self._redis.pipeline(transaction=False)
-        self._queue_remove(pipe, model, worker, keys, medium)
-        pipe.execute()
+        self._write(model, [("r", self._field(worker, medium), keys)])
 
     def clear(self, model: str, worker: Worker) -> None:
-        prefix = self._prefix(model)
-        self._clear_script(keys=[prefix + "reg"], args=[prefix, _worker_id(worker)])
+        self._write(model, [("c", _worker_id(worker), ())])
 
     async def lookup(self, model: str, keys: Sequence[int]) -> Hits:
         if not keys:
@@ -282,6 +338,7 @@ class RedisIndex:
             pipe.memory_usage(prefix + "reg")
             for f in fields:
                 pipe.memory_usage(prefix.encode() + b"s:" + f)
+                pipe.memory_usage(prefix.encode() + b"x:" + f)
             total += sum(n or 0 for n in pipe.execute())
         return total
 

@@ -7,6 +7,7 @@ import random
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Iterator, Sequence
 
 import pytest
@@ -211,11 +212,13 @@ def test_clear_of_unknown_worker_or_model_is_a_no_op(h: Harness) -> None:
     assert h.lookup([1]) == {A: {"GPU": 1}}
 
 
-def test_block_counts_count_block_medium_entries(h: Harness) -> None:
+def test_block_counts_count_distinct_block_medium_entries_not_copies(h: Harness) -> None:
     h.index.store(M, A, [1, 2, 2, 3])
     h.index.store(M, A, [1], "CPU")
     h.index.store(M, B, [1])
     h.index.store(M, B, [1])
+    assert h.index.block_counts(M) == {A: 4, B: 1}
+    h.index.remove(M, B, [1])
     assert h.index.block_counts(M) == {A: 4, B: 1}
     h.index.remove(M, B, [1])
     assert h.index.block_counts(M) == {A: 4}
@@ -229,6 +232,72 @@ def test_memory_accounting_follows_the_content(h: Harness) -> None:
     assert full - empty > 5000 * 8
     h.index.clear(M, A)
     assert h.index.memory_bytes() < full - 5000 * 8
+
+
+# -- one key in several blocks (vLLM caches a recomputed block under a hash it already holds) --
+
+
+def test_a_key_stored_twice_is_held_until_removed_twice(h: Harness) -> None:
+    h.index.store(M, A, [1, 2, 3])
+    h.index.store(M, A, [3])
+    h.index.remove(M, A, [3])
+    assert h.lookup([1, 2, 3]) == {A: {"GPU": 3}}
+    h.index.remove(M, A, [3])
+    assert h.lookup([1, 2, 3]) == {A: {"GPU": 2}}
+
+
+def test_removes_beyond_the_copies_held_are_ignored(h: Harness) -> None:
+    h.index.store(M, A, [1, 2])
+    h.index.store(M, A, [2])
+    h.index.remove(M, A, [2, 2, 2, 2])
+    assert h.lookup([1, 2]) == {A: {"GPU": 1}}
+    h.index.store(M, A, [2])
+    assert h.lookup([1, 2]) == {A: {"GPU": 2}}
+    h.index.remove(M, A, [2])
+    assert h.lookup([1, 2]) == {A: {"GPU": 1}}
+
+
+def test_a_key_repeated_within_one_call_counts_each_occurrence(h: Harness) -> None:
+    h.index.store(M, A, [1, 2, 2, 2])
+    h.index.remove(M, A, [2, 2])
+    assert h.lookup([1, 2]) == {A: {"GPU": 2}}
+    h.index.remove(M, A, [2])
+    assert h.lookup([1, 2]) == {A: {"GPU": 1}}
+
+
+def test_copies_are_counted_per_worker_and_medium(h: Harness) -> None:
+    h.index.store(M, A, [1], "GPU")
+    h.index.store(M, A, [1], "CPU")
+    h.index.store(M, B, [1])
+    h.index.store(M, B, [1])
+    h.index.remove(M, A, [1], "GPU")
+    assert h.lookup([1]) == {A: {"CPU": 1}, B: {"GPU": 1}}
+    h.index.remove(M, A, [1], "CPU")
+    assert h.lookup([1]) == {B: {"GPU": 1}}
+    h.index.remove(M, B, [1])
+    assert h.lookup([1]) == {B: {"GPU": 1}}
+
+
+def test_clear_drops_every_copy(h: Harness) -> None:
+    h.index.store(M, A, [1, 2])
+    h.index.store(M, A, [1, 2, 2], "GPU")
+    h.index.store(M, A, [1, 1], "CPU")
+    h.index.clear(M, A)
+    assert h.lookup([1, 2]) == {}
+    h.index.store(M, A, [1, 2])
+    h.index.remove(M, A, [1, 2])
+    assert h.lookup([1, 2]) == {}
+    assert h.index.block_counts(M) == {}
+
+
+def test_events_of_a_repeated_exact_multiple_prompt_keep_the_second_copy(h: Harness) -> None:
+    """The vLLM sequence: prompt [1, 2] cached, sent again (block 2 recomputed, stored again), one copy evicted."""
+    h.index.apply(M, A, batch(stored([1, 2])))
+    h.index.apply(M, A, batch(stored([2])))
+    h.index.apply(M, A, batch(removed([2])))
+    assert h.lookup([1, 2]) == {A: {"GPU": 2}}
+    h.index.apply(M, A, batch(removed([1, 2])))
+    assert h.lookup([1, 2]) == {}
 
 
 # -- garbage keys ------------------------------------------------------------------------
@@ -300,16 +369,21 @@ def test_all_blocks_cleared_clears_only_that_worker(h: Harness) -> None:
 
 
 class Reference:
-    """The obvious model: a set of keys per (worker, medium); lookup walks it key by key."""
+    """The obvious model: a Counter of copies per (worker, medium); lookup walks it key by key."""
 
     def __init__(self) -> None:
-        self.held: dict[tuple[Worker, str], set[int]] = {}
+        self.held: dict[tuple[Worker, str], Counter[int]] = {}
 
     def store(self, w: Worker, keys: list[int], medium: str) -> None:
-        self.held.setdefault((w, medium), set()).update(keys)
+        self.held.setdefault((w, medium), Counter()).update(keys)
 
     def remove(self, w: Worker, keys: list[int], medium: str) -> None:
-        self.held.get((w, medium), set()).difference_update(keys)
+        copies = self.held.get((w, medium), Counter())
+        for k in keys:
+            if copies[k] > 1:
+                copies[k] -= 1
+            else:
+                copies.pop(k, None)
 
     def clear(self, w: Worker) -> None:
         for (worker, medium), s in self.held.items():
@@ -331,25 +405,46 @@ class Reference:
         return hits
 
 
-def test_random_operations_agree_with_the_reference(h: Harness) -> None:
-    rng = random.Random(7)
+@pytest.mark.parametrize("seed", [7, 8, 9])
+def test_random_operations_agree_with_the_reference(h: Harness, seed: int) -> None:
+    """Stores overlap (so keys gain copies, also within one call), removes overshoot the copies
+    held, and a third of the writes arrive as event batches of several stores and removes."""
+    rng = random.Random(seed)
     ref = Reference()
     workers = [Worker(f"w{i}", i % 2) for i in range(5)]
     media = ["GPU", "GPU", "GPU", "CPU", "DISK"]
     chains = [[rng.getrandbits(64) for _ in range(rng.randint(1, 90))] for _ in range(6)]
-    for step in range(300):
-        w = rng.choice(workers)
-        medium = rng.choice(media)
+    kept_by_a_copy = 0
+
+    def some_keys() -> list[int]:
         chain = rng.choice(chains)
         a = rng.randrange(len(chain))
         keys = chain[a : a + rng.randint(1, 40)]
+        if rng.random() < 0.2:
+            keys = keys + rng.sample(keys, min(len(keys), 3))
+        return keys
+
+    for step in range(300):
+        w = rng.choice(workers)
         r = rng.random()
-        if r < 0.55:
-            h.index.store(M, w, keys, medium)
-            ref.store(w, keys, medium)
+        if r < 0.3:
+            events, ops = [], []
+            for _ in range(rng.randint(1, 4)):
+                keys, medium, kind = some_keys(), rng.choice(media), rng.choice(["store", "remove"])
+                events.append(stored(keys, medium) if kind == "store" else removed(keys, medium))
+                ops.append((kind, keys, medium))
+            h.index.apply(M, w, batch(*events))
+            for kind, keys, medium in ops:
+                getattr(ref, kind)(w, keys, medium)
         elif r < 0.95:
-            h.index.remove(M, w, keys, medium)
-            ref.remove(w, keys, medium)
+            keys, medium = some_keys(), rng.choice(media)
+            if r < 0.65:
+                h.index.store(M, w, keys, medium)
+                ref.store(w, keys, medium)
+            else:
+                h.index.remove(M, w, keys, medium)
+                ref.remove(w, keys, medium)
+                kept_by_a_copy += sum(k in ref.held[(w, medium)] for k in keys) if (w, medium) in ref.held else 0
         else:
             h.index.clear(M, w)
             ref.clear(w)
@@ -361,6 +456,7 @@ def test_random_operations_agree_with_the_reference(h: Harness) -> None:
         if s:
             expected_counts[w] = expected_counts.get(w, 0) + len(s)
     assert h.index.block_counts(M) == expected_counts
+    assert kept_by_a_copy > 5, "the sequence must remove keys that another copy keeps held"
 
 
 # -- concurrency -------------------------------------------------------------------------
