@@ -340,7 +340,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    console = Console()
+    console = report.console()
     try:
         opt = options_from_args(args)
         results = run_bench(opt)

@@ -46,7 +46,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    console = Console()
+    console = report.console()
     t0 = time.monotonic()
     out = Path(args.out)
     try:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from loadtest import report
 from loadtest.fleet import Fleet, FleetError, FleetSpec, Router
 from loadtest.workloads import DEFAULT_TOKENIZER
 
@@ -60,7 +61,7 @@ def read_stats(path: Path) -> dict[tuple[str, str], LocustStats]:
 def locust_command(host: str, csv_prefix: Path, args: argparse.Namespace) -> list[str]:
     cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--host", host,
            "-u", str(args.users), "-r", str(args.spawn_rate), "-t", args.run_time, "--csv", str(csv_prefix),
-           "--only-summary", "--stop-timeout", str(args.stop_timeout), "--loglevel", "WARNING",
+           "--only-summary", "--stop-timeout", f"{int(args.stop_timeout)}s", "--loglevel", "WARNING",
            "--model", args.model, "--speedup", str(args.speedup), "--think-time", str(args.think_time),
            "--length-scale", str(args.length_scale), "--output-scale", str(args.output_scale),
            "--max-output-tokens", str(args.max_output_tokens), "--workload-seed", str(args.seed)]
@@ -118,7 +119,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--users", type=int, default=16, help="Locust users (default 16)")
     p.add_argument("--spawn-rate", type=float, default=8.0, help="users started per second (default 8)")
     p.add_argument("--run-time", default="60s", help="Locust run time per policy, e.g. 30s, 2m (default 60s)")
-    p.add_argument("--stop-timeout", type=float, default=5.0, help="seconds users get to finish at the end")
+    p.add_argument("--stop-timeout", type=int, default=5, help="seconds users get to finish at the end")
     p.add_argument("--user-classes", nargs="+", choices=USER_CLASSES, default=["MultiTurnChatUser"],
                    help="Locust user classes (default MultiTurnChatUser)")
     p.add_argument("--endpoint", default=None,
@@ -137,10 +138,9 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = report.console()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     policies = [x.strip() for x in args.policies.split(",") if x.strip()]

@@ -77,6 +77,15 @@ def markdown_table(runs: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def console() -> Any:
+    """A rich console for tables: terminal width on a terminal, wide enough for the tables otherwise
+    (rich would wrap at 80 columns in a pipe or a log file, eliding the numbers)."""
+    from rich.console import Console
+
+    c = Console()
+    return c if c.is_terminal else Console(width=200)
+
+
 def rich_table(runs: list[dict[str, Any]], title: str) -> Any:
     from rich.table import Table
 
