@@ -1,4 +1,4 @@
-"""What only RedisIndex promises: one round trip per lookup, clear without SCAN, shared by replicas."""
+"""What only RedisIndex promises: one round trip per lookup and per write, clear without SCAN, shared by replicas."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import redis
 from indexer.index import Worker
 from indexer.redis_index import RedisIndex
 from support import Proc, free_port, wait_port
+from test_index import batch, removed, stored
 
 M = "qwen3"
 A = Worker("a")
@@ -61,6 +62,7 @@ def test_lookup_for_every_worker_is_one_script_call(index: RedisIndex, server: r
     for i in range(6):
         index.store(M, Worker(f"w{i}"), chain[: 80 * (i + 1)])
     index.store(M, A, chain[:10], "CPU")
+    index.store(M, Worker("w0"), chain[:8])
 
     async def go() -> dict:
         await index.lookup(M, chain)
@@ -79,7 +81,8 @@ def test_lookup_for_every_worker_is_one_script_call(index: RedisIndex, server: r
 
 def test_clear_removes_the_workers_keys_without_scanning(index: RedisIndex, server: redis.Redis, ns: str) -> None:
     index.store(M, A, list(range(1, 20_001)))
-    index.store(M, A, [5], "CPU")
+    index.store(M, A, list(range(1, 9_001)))
+    index.store(M, A, [5, 5], "CPU")
     index.store(M, B, [1, 2])
     server.config_resetstat()
     index.clear(M, A)
@@ -164,3 +167,33 @@ def test_lookup_script_runs_on_a_read_only_replica(index: RedisIndex, redis_url:
             assert lookup(reader, [1, 2, 3, 4]) == {A: {"GPU": 3}}
         finally:
             reader.close()
+
+
+def test_a_batch_of_writes_is_one_script_call(index: RedisIndex, server: redis.Redis) -> None:
+    index.store(M, A, [1])
+    server.config_resetstat()
+    index.apply(M, A, batch(stored([1, 2, 3]), removed([1]), stored([4], "CPU"), removed([9]), stored([2])))
+    made = calls(server)
+    assert made["evalsha"] == 1
+    assert "script|load" not in made and "script|exists" not in made, made
+    assert lookup(index, [1, 2, 3]) == {A: {"GPU": 3}}
+
+
+def test_extra_copies_live_in_a_side_hash_that_goes_with_the_last_extra(index: RedisIndex, server: redis.Redis, ns: str) -> None:
+    extras = f'{ns}:{{{M}}}:x:GPU\n["a",0]'
+    index.store(M, A, [1, 2])
+    assert not server.exists(extras)
+    index.store(M, A, [2, 2])
+    assert server.hgetall(extras) == {(2).to_bytes(8, "big"): b"2"}
+    index.remove(M, A, [2, 2])
+    assert not server.exists(extras)
+    assert lookup(index, [1, 2]) == {A: {"GPU": 2}}
+    assert index.block_counts(M) == {A: 2}
+
+
+def test_writes_survive_a_flushed_script_cache(index: RedisIndex, server: redis.Redis) -> None:
+    index.store(M, A, [1, 2])
+    server.script_flush()
+    index.store(M, A, [2])
+    index.remove(M, A, [2])
+    assert lookup(index, [1, 2]) == {A: {"GPU": 2}}
