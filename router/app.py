@@ -429,10 +429,13 @@ class Router:
     def commit(self, prepared: Prepared, backend: str) -> None:
         """The request is being sent to ``backend``: let the policy learn, count the decision."""
         rt, ctx, decision = prepared.runtime, prepared.ctx, prepared.decision
-        if backend != decision.backend:
-            decision = Decision(backend, "fallback", decision.order)
-        rt.policy.commit(ctx, decision)
         name = rt.config.name
+        if backend != decision.backend:
+            # A retry after the chosen backend failed before answering.
+            rt.policy.commit(ctx, Decision(backend, "fallback", decision.order))
+            metrics.DECISIONS.labels(name, rt.policy.name, "fallback").inc()
+            return
+        rt.policy.commit(ctx, decision)
         metrics.DECISIONS.labels(name, rt.policy.name, decision.reason).inc()
         chosen = next(c for c in prepared.candidates if c.backend == backend)
         metrics.MATCHED_BLOCKS.labels(name).observe(chosen.matched_blocks)
@@ -565,6 +568,11 @@ def create_app(config: Config, index: Index | None = None) -> FastAPI:
         check_key(request)
         raw, body = await read_json(request)
         prepared = await router.prepare(body, len(raw), kind, request.headers)
+        chosen = prepared.decision.backend
+        prefill = router.prefill_tokens(prepared)
+        # Taken before the next await so the next decision already sees this request.
+        ticket = router.loads.acquire(chosen, prepared.ctx.keys, prefill[chosen])
+        router.commit(prepared, chosen)
         return ProxyResponse(
             pool=router.pool,
             loads=router.loads,
@@ -575,13 +583,14 @@ def create_app(config: Config, index: Index | None = None) -> FastAPI:
             headers=forwarded_headers(request.headers),
             stream=body.get("stream") is True,
             keys=prepared.ctx.keys,
-            prefill_tokens=router.prefill_tokens(prepared),
+            prefill_tokens=prefill,
             model=prepared.runtime.config.name,
             policy=prepared.runtime.policy.name,
             started=started,
             retries=settings.retries,
             reason=prepared.decision.reason,
-            on_routed=lambda backend: router.commit(prepared, backend),
+            ticket=ticket,
+            on_fallback=lambda backend: router.commit(prepared, backend),
         )
 
     @app.post("/v1/chat/completions")

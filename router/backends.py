@@ -11,6 +11,12 @@ open. Two signals feed that:
   for ``breaker_cooldown_s``, doubling on each re-open up to 60 s. After the cooldown
   the circuit is half-open: the next request is a trial and its success closes it.
 
+A *refused* connection (health check or proxy) means the engine's listener is gone:
+the process died or restarted, and requests already sent to it will never finish (a
+dead peer does not always reset its connections). Those in-flight requests are aborted
+at once (:meth:`BackendState.abort_in_flight`) instead of waiting for the read timeout;
+they answer 502, or end their stream with an error event.
+
 Each backend owns one pooled keep-alive ``httpx.AsyncClient`` (HTTP/1.1, limits
 sized for streaming concurrency), shared by proxying, health checks and scrapes.
 """
@@ -20,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 import httpx
 
@@ -53,6 +60,8 @@ class BackendState:
         self.cooldown_s = settings.breaker_cooldown_s
         self.ejections = 0
         self.last_error: str | None = None
+        self.in_flight: dict[asyncio.Task[None], Callable[[], None]] = {}
+        """Proxy tasks waiting on this backend -> how to abort each (see abort_in_flight)."""
 
     @property
     def routable(self) -> bool:
@@ -69,20 +78,26 @@ class BackendState:
     def record_failure(self, reason: str, *, connect_error: bool = False) -> None:
         self.last_error = reason
         self.consecutive_failures += 1
-        if connect_error and self.health_ok:
-            self.eject(reason)
+        if connect_error:
+            self.eject(reason, refused=True)
         if self.consecutive_failures >= self.settings.breaker_failures and not self.circuit_open:
             self.circuit_open_until = time.monotonic() + self.cooldown_s
             log.warning("circuit open for %s for %.1fs after %d failures (%s)", self.name, self.cooldown_s, self.consecutive_failures, reason)
             self.cooldown_s = min(MAX_COOLDOWN_S, self.cooldown_s * 2)
             self.consecutive_failures = 0
 
-    def eject(self, reason: str) -> None:
+    def eject(self, reason: str, *, refused: bool = False) -> None:
         if self.health_ok:
             self.ejections += 1
             log.warning("backend %s ejected: %s", self.name, reason)
         self.health_ok = False
         self.last_error = reason
+        if refused:
+            self.abort_in_flight()
+
+    def abort_in_flight(self) -> None:
+        for abort in list(self.in_flight.values()):
+            abort()
 
     def admit(self) -> None:
         if not self.health_ok:
@@ -126,6 +141,9 @@ class BackendPool:
     async def _check(self, b: BackendState) -> None:
         try:
             r = await b.client.get("/health", timeout=min(5.0, max(1.0, self.settings.health_interval_s)))
+        except httpx.ConnectError as e:
+            b.eject(f"health check refused: {e!r}", refused=True)
+            return
         except httpx.HTTPError as e:
             b.eject(f"health check failed: {e!r}")
             return

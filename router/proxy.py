@@ -11,8 +11,12 @@ watching the client connection:
   no re-encoding) for streams, and in one piece for non-streamed answers;
 - a client disconnect cancels the work: the upstream response is closed, which closes
   its connection, which makes vLLM abort the request;
-- the request's load :class:`~router.load.Ticket` is taken per attempt and released in
-  ``finally`` on every path; the prefill share moves to decode at the first body chunk.
+- a backend found dead (connection refused) aborts the requests waiting on it
+  (:meth:`router.backends.BackendState.abort_in_flight`): 502, or a stream error event;
+- the request's load :class:`~router.load.Ticket` for the chosen backend is taken by the
+  caller when it decides (so concurrent decisions see each other at once), a new one
+  per retry, and each is released in ``finally`` on every path; the prefill share moves
+  to decode at the first body chunk.
 
 A failure after the response started cannot change its status: an SSE stream gets a
 final ``data: {"error": ...}`` event (what vLLM itself sends) and is then closed.
@@ -73,7 +77,8 @@ class ProxyResponse(Response):
         started: float,
         retries: int,
         reason: str = "",
-        on_routed: Any = None,
+        ticket: Ticket | None = None,
+        on_fallback: Any = None,
     ) -> None:
         self.status_code = 200
         self.background = None
@@ -91,8 +96,12 @@ class ProxyResponse(Response):
         self._policy = policy
         self._started = started
         self._retries = retries
-        self._on_routed = on_routed
+        self._first_ticket = ticket
+        self._on_fallback = on_fallback
         self._reason = reason
+        self._backend_down = False
+        self._response_started = False
+        self._watched: tuple[BackendState, asyncio.Task[Any]] | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         main = asyncio.ensure_future(self._run(send))
@@ -126,20 +135,56 @@ class ProxyResponse(Response):
             headers.append((BACKEND_HEADER, backend.name.encode()))
             if self._reason:
                 headers.append((REASON_HEADER, self._reason.encode()))
+            self._watch(backend)
             if self._stream and status == 200:
                 status = await self._relay_stream(send, backend, ticket, upstream, headers)
             else:
                 status = await self._relay_whole(send, backend, ticket, upstream, headers)
         except asyncio.CancelledError:
-            status = 499
-            metrics.CLIENT_DISCONNECTS.labels(backend_name).inc()
-            raise
+            if not self._backend_down:
+                status = 499
+                metrics.CLIENT_DISCONNECTS.labels(backend_name).inc()
+                raise
+            _uncancel()
+            status = 502
+            await self._answer_backend_down(send, backend_name)
         finally:
+            self._unwatch()
             if ticket is not None:
                 ticket.release()
+            if self._first_ticket is not None:
+                self._first_ticket.release()
             if upstream is not None:
                 await upstream.aclose()
             metrics.REQUESTS.labels(self._model, backend_name, self._policy, str(status)).inc()
+
+    def _watch(self, backend: BackendState) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._unwatch()
+            self._watched = (backend, task)
+            backend.in_flight[task] = self._abort
+
+    def _unwatch(self) -> None:
+        watched = self._watched
+        if watched is not None:
+            watched[0].in_flight.pop(watched[1], None)
+            self._watched = None
+
+    def _abort(self) -> None:
+        watched = self._watched
+        if watched is not None and not self._backend_down:
+            self._backend_down = True
+            watched[1].cancel()
+
+    async def _answer_backend_down(self, send: Send, backend: str) -> None:
+        metrics.UPSTREAM_FAILURES.labels(backend, "backend_down").inc()
+        message = f"backend {backend} went down while serving the request"
+        if self._response_started:
+            event = error_body(message, "server_error", "upstream_error")
+            await send({"type": "http.response.body", "body": b"data: " + event + b"\n\n", "more_body": False})
+        else:
+            await error_response(UpstreamError(message))({"type": "http"}, _no_receive, send)
 
     async def _connect(self) -> tuple[BackendState, Ticket, httpx.Response]:
         last: RouterError = UpstreamError("no backend could be tried")
@@ -151,11 +196,17 @@ class ProxyResponse(Response):
             if tried > 0 and not backend.routable:
                 continue
             tried += 1
-            ticket = self._loads.acquire(name, self._keys, self._prefill.get(name, 0))
+            ticket = self._first_ticket
+            self._first_ticket = None
+            if ticket is None or ticket.load.name != name:
+                if ticket is not None:
+                    ticket.release()
+                ticket = self._loads.acquire(name, self._keys, self._prefill.get(name, 0))
             if tried == 1:
                 metrics.OVERHEAD_SECONDS.labels(self._model).observe(time.perf_counter() - self._started)
-                if self._on_routed is not None:
-                    self._on_routed(name)
+            elif self._on_fallback is not None:
+                self._on_fallback(name)
+            self._watch(backend)
             try:
                 request = backend.client.build_request(self._method, self._path, content=self._body, headers=self._headers)
                 upstream = await backend.client.send(request, stream=True)
@@ -178,6 +229,8 @@ class ProxyResponse(Response):
             except BaseException:
                 ticket.release()
                 raise
+            finally:
+                self._unwatch()
             if upstream.status_code in (502, 503) and tried <= self._retries and self._has_next(name):
                 await upstream.aclose()
                 ticket.release()
@@ -186,7 +239,6 @@ class ProxyResponse(Response):
                 metrics.RETRIES.labels(name, f"status_{upstream.status_code}").inc()
                 continue
             if tried > 1:
-                metrics.DECISIONS.labels(self._model, self._policy, "fallback").inc()
                 self._reason = "fallback"
             return backend, ticket, upstream
         raise last
@@ -226,6 +278,7 @@ class ProxyResponse(Response):
         self, send: Send, backend: BackendState, ticket: Ticket, upstream: httpx.Response, headers: list[tuple[bytes, bytes]]
     ) -> int:
         await send({"type": "http.response.start", "status": 200, "headers": headers})
+        self._response_started = True
         first = True
         try:
             async for chunk in upstream.aiter_raw():
@@ -243,6 +296,13 @@ class ProxyResponse(Response):
         backend.record_success()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         return 200
+
+
+def _uncancel() -> None:
+    """Forget a cancellation the proxy caused itself (Python >= 3.11 counts them)."""
+    task = asyncio.current_task()
+    if task is not None and hasattr(task, "uncancel"):
+        task.uncancel()
 
 
 async def _wait_disconnect(receive: Receive) -> None:

@@ -81,7 +81,7 @@ def fleet_config(fleet: dict[str, Any], **router: Any) -> dict[str, Any]:
 def router_url(fleet: dict[str, Any]) -> Iterator[str]:
     port = free_port()
     path = Path(fleet["dir"]) / "router.yaml"
-    path.write_text(yaml.safe_dump(fleet_config(fleet, api_key=API_KEY, breaker_failures=50)))
+    path.write_text(yaml.safe_dump(fleet_config(fleet, api_key=API_KEY)))
     with Proc(KVROUTER + ["serve", "--config", str(path), "--port", str(port)], Path(fleet["dir"]) / "router.log") as proc:
         wait_http(f"http://127.0.0.1:{port}/health", timeout=120, proc=proc.popen)
         yield f"http://127.0.0.1:{port}"
@@ -418,15 +418,26 @@ def fault(fleet: dict[str, Any], i: int, **update: Any) -> None:
     assert r.status_code == 200, r.text
 
 
+def engines_running(fleet: dict[str, Any]) -> float:
+    from router.load import parse_vllm_metrics
+
+    total = 0.0
+    for i in range(N_ENGINES):
+        text = httpx.get(f"http://127.0.0.1:{fleet['http'] + i}/metrics", timeout=5).text
+        total += parse_vllm_metrics(text).get("vllm:num_requests_running", 0.0)
+    return total
+
+
 def test_load_returns_to_zero_after_chaos(fleet: dict[str, Any], router_url: str) -> None:
-    async def disconnecting_client(http: httpx.AsyncClient, i: int) -> None:
-        body = {"model": MODEL, "prompt": f"disconnect {i} " + unique_text(50), "max_tokens": 2000, "stream": True, "ignore_eos": True}
+    async def disconnecting_client(http: httpx.AsyncClient, i: int) -> bool:
+        body = {"model": MODEL, "prompt": f"disconnect {i} " + unique_text(50), "max_tokens": 30000, "stream": True, "ignore_eos": True}
         async with http.stream("POST", "/v1/completions", json=body) as resp:
             n = 0
             async for _ in resp.aiter_raw():
                 n += 1
                 if n >= 3:
-                    break  # leave mid-stream: the router must cancel upstream
+                    return True  # leave mid-stream: the router must cancel upstream
+        return False
 
     async def long_stream(http: httpx.AsyncClient, i: int) -> str:
         body = {"model": MODEL, "prompt": f"survive {i}", "max_tokens": 400, "stream": True, "ignore_eos": True}
@@ -443,23 +454,35 @@ def test_load_returns_to_zero_after_chaos(fleet: dict[str, Any], router_url: str
         resp = await http.post("/v1/completions", json={"model": MODEL, "prompt": f"plain {i}", "max_tokens": 3})
         return resp.status_code
 
-    async def chaos() -> Counter:
+    async def chaos() -> tuple[Counter, int]:
         async with httpx.AsyncClient(base_url=router_url, headers=headers(), timeout=60) as http:
-            fault(fleet, 1, error_rate=1.0)
             streams = [asyncio.create_task(long_stream(http, i)) for i in range(16)]
             disconnects = [asyncio.create_task(disconnecting_client(http, i)) for i in range(16)]
             await asyncio.sleep(0.3)
+            fault(fleet, 1, error_rate=1.0)  # answers 500 from now on (the breaker opens)
             fault(fleet, 2, down_s=2.0)  # killed with streams in flight; restarts empty
             statuses = await asyncio.gather(*(plain(http, i) for i in range(40)))
-            await asyncio.gather(*disconnects)
+            left = sum(await asyncio.gather(*disconnects))
             await asyncio.gather(*streams)
             fault(fleet, 1, error_rate=0.0)
-            return Counter(statuses)
+            return Counter(statuses), left
 
-    statuses = asyncio.run(chaos())
+    statuses, left = asyncio.run(chaos())
+    assert left >= 8, "too few streams were left mid-way to test disconnects"
     assert statuses[200] > 0 and set(statuses) <= {200, 500, 502}, statuses
     wait_idle(router_url)
     for i in range(N_ENGINES):
         wait_http(f"http://127.0.0.1:{fleet['http'] + i}/health", timeout=30)
+    # The abandoned 30k-token streams were cancelled upstream, not left generating.
+    deadline = time.monotonic() + 10
+    while (running := engines_running(fleet)) > 0:
+        assert time.monotonic() < deadline, f"{running} requests still running on the engines"
+        time.sleep(0.2)
     metrics = httpx.get(router_url + "/metrics").text
-    assert "kvrouter_client_disconnects_total" in metrics
+    def total(prefix: str) -> float:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith(prefix))
+
+    # A stream on the killed engine may be ended by the backend's death before the router
+    # sees its client leave; every abandoned stream is one or the other.
+    ended = total("kvrouter_client_disconnects_total{") + total('kvrouter_upstream_failures_total{backend="sim-2",kind="backend_down"}')
+    assert ended >= left, "clients that left mid-stream were not seen as disconnects"

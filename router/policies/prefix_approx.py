@@ -43,10 +43,11 @@ class PrefixApprox:
         reason = "no_hit"
         chosen = least
         if best.matched_blocks > 0 and best.matched_blocks >= MIN_MATCH_FRACTION * n_blocks:
+            idlest = min(pool, key=lambda c: (c.load.effective_in_flight(), self._rng.random()))
             overloaded = best.load.effective_in_flight() > (
-                self.w.imbalance_ratio * least.load.effective_in_flight() + self.w.imbalance_slack
+                self.w.imbalance_ratio * idlest.load.effective_in_flight() + self.w.imbalance_slack
             )
-            chosen, reason = (least, "load_guard") if overloaded else (best, "approx_hit")
+            chosen, reason = (idlest, "load_guard") if overloaded else (best, "approx_hit")
         for c in candidates:
             c.score = float(n_blocks - c.matched_blocks) + in_flight_tokens(c, ctx.block_size) / max(1, ctx.num_tokens)
         chosen.score = min(c.score for c in pool) - 1.0
