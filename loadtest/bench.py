@@ -124,7 +124,8 @@ def measure_capacity(workload: Workload, spec: FleetSpec, workdir: Path, *, per_
                      sample: int | None = None) -> Capacity:
     """Saturation throughput (requests per engine-second) of the fleet on this workload's mix.
 
-    Closed loop with ``per_backend x K`` sessions through round_robin. Throughput is
+    Closed loop with ``per_backend x K`` sessions through round_robin, think times
+    skipped (the fleet, not the users, must be the limit). Throughput is
     counted from the first completion to the moment the last request was sent: the
     span during which every slot was busy (before it the pipeline fills, after it it
     drains).
@@ -132,7 +133,7 @@ def measure_capacity(workload: Workload, spec: FleetSpec, workdir: Path, *, per_
     conc = per_backend * spec.backends
     wl = workload.head(sample or max(4 * conc, 60))
     with Fleet(spec, workdir / "capacity") as fleet, Router(fleet, "round_robin", workdir / "capacity") as router:
-        res = asyncio.run(Replayer(router.url, spec.model, concurrency=conc, time_scale=spec.speedup).run(wl))
+        res = asyncio.run(Replayer(router.url, spec.model, concurrency=conc, think=False).run(wl))
     ok = [r for r in res.records if r.ok and r.e2e_s is not None]
     if len(ok) < 3:
         raise FleetError(f"capacity run completed {len(ok)} of {len(res.records)} requests: "

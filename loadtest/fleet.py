@@ -13,9 +13,10 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import yaml
@@ -24,6 +25,7 @@ from loadtest.workloads import DEFAULT_TOKENIZER
 
 KVROUTER = [sys.executable, "-m", "router.cli"]
 REPO_ROOT = Path(__file__).resolve().parents[1]
+T = TypeVar("T")
 
 
 class FleetError(RuntimeError):
@@ -87,6 +89,24 @@ class Child:
             self._log.close()
 
 
+PORT_RETRIES = 3
+
+
+def _with_port_retries(start: Callable[[], T]) -> T:
+    """``start()`` again on fresh ports when a child lost a port race.
+
+    Free ports are found by binding and releasing them, so another process on the
+    machine can take one before the child binds it; that is retried, nothing else is.
+    """
+    for attempt in range(PORT_RETRIES):
+        try:
+            return start()
+        except FleetError as e:
+            if "Address already in use" not in str(e) or attempt == PORT_RETRIES - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
 def wait_ready(url: str, child: Child, timeout_s: float) -> None:
     """Poll ``url`` until 200; raise :class:`FleetError` with the child's log if it dies or times out."""
     deadline = time.monotonic() + timeout_s
@@ -141,6 +161,9 @@ class Fleet:
         self.child: Child | None = None
 
     def start(self, timeout_s: float = 120.0) -> Fleet:
+        return _with_port_retries(lambda: self._start(timeout_s))
+
+    def _start(self, timeout_s: float) -> Fleet:
         s = self.spec
         self.workdir.mkdir(parents=True, exist_ok=True)
         base = free_port_run(3 * s.backends)
@@ -217,6 +240,9 @@ class Router:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout_s: float = 120.0) -> Router:
+        return _with_port_retries(lambda: self._start(timeout_s))
+
+    def _start(self, timeout_s: float) -> Router:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.port = free_port_run(1)
         cfg_path = self.workdir / f"router-{self.policy}.yaml"

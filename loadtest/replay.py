@@ -115,7 +115,11 @@ def summarize(records: list[RequestRecord], wall_s: float, time_scale: float = 1
 
 
 class Replayer:
-    """Runs one workload against one endpoint; one instance per run."""
+    """Runs one workload against one endpoint; one instance per run.
+
+    ``think=False`` sends a session's next turn as soon as the previous answer is in
+    (a saturation run); by default the turn's think time is waited first.
+    """
 
     def __init__(
         self,
@@ -129,6 +133,7 @@ class Replayer:
         api_key: str | None = None,
         headers: dict[str, str] | None = None,
         on_done: Any = None,
+        think: bool = True,
     ) -> None:
         if speedup <= 0:
             raise ValueError(f"speedup must be > 0, got {speedup}")
@@ -144,6 +149,7 @@ class Replayer:
         if api_key:
             self.headers["authorization"] = f"Bearer {api_key}"
         self.on_done = on_done
+        self.think = think
         self.records: list[RequestRecord] = []
         self._t0 = 0.0
 
@@ -189,7 +195,7 @@ class Replayer:
 
     async def _session(self, client: httpx.AsyncClient, s: Session) -> None:
         for i, turn in enumerate(s.turns):
-            if i and turn.think_s > 0:
+            if i and turn.think_s > 0 and self.think:
                 await asyncio.sleep(turn.think_s / self.speedup)
             rec = await self.send(client, turn, s.session_id, i)
             self.records.append(rec)
@@ -342,6 +348,7 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
                    help="mooncake: send prompts as token-id lists (default) or decoded text")
     p.add_argument("--session-rate", type=float, default=1.0, help="sharegpt: new conversations per second")
     p.add_argument("--think-time", type=float, default=5.0, help="sharegpt: mean think time between turns (s)")
+    p.add_argument("--max-output-tokens", type=int, default=1024, help="sharegpt: cap of each turn's max_tokens")
 
 
 def load_workload(args: argparse.Namespace, path: str, fmt: str | None) -> Workload:
@@ -350,7 +357,8 @@ def load_workload(args: argparse.Namespace, path: str, fmt: str | None) -> Workl
     if fmt == "mooncake":
         opts = {"length_scale": args.length_scale, "output_scale": args.output_scale, "prompt_form": args.prompt_form}
     elif fmt == "sharegpt":
-        opts = {"session_rate": args.session_rate, "think_s": args.think_time}
+        opts = {"session_rate": args.session_rate, "think_s": args.think_time,
+                "max_output_tokens": args.max_output_tokens}
     return workloads.load(path, fmt, seed=args.seed, max_requests=args.max_requests,
                           tokenizer_path=args.tokenizer, **opts)
 
