@@ -1,0 +1,255 @@
+"""``kvrouter doctor --config FILE``: check a live fleet against the config before traffic.
+
+Misconfiguration is the most common reason a KV-aware router silently degrades to
+random routing: a wrong PYTHONHASHSEED, hash algorithm, block size or vLLM version makes
+every lookup miss without any error, and an events endpoint given as ``ip`` instead of
+``tcp://ip:port`` never connects. For every backend the doctor reports:
+
+- whether it is up and serves the model (and its LoRA adapters), and its ``max_model_len``;
+- whether its KV-event stream connects and at which seq: it subscribes, sends one small
+  probe completion so the engine stores blocks, and reads the events that follow;
+- whether the first ``BlockStored``'s hashes match the router's hasher, and if not the
+  setting that would make them match (through :class:`indexer.verify.HashVerifier`);
+- whether the engine's ``/tokenize`` agrees with local tokenization on a sample chat.
+
+Exit status 0 when every check passed, 1 otherwise, 2 for an unreadable config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import httpx
+import zmq
+from rich.console import Console
+from rich.table import Table
+
+from indexer.events import BlockStored, EventDecodeError, build_replay_request, decode_batch, parse_pub_frames, parse_replay_reply
+from indexer.hashing import BlockHasher, HashConfigError
+from indexer.index import Worker
+from indexer.subscriber import offset_endpoint
+from indexer.verify import HashVerifier
+from router.config import Backend, ConfigError, Model, load_config
+from router.tokenize import TokenizeError, load_tokenizer
+
+SAMPLE_CHAT = {
+    "messages": [
+        {"role": "system", "content": "You are a terse assistant."},
+        {"role": "user", "content": "List three prime numbers, then explain why 1 is not prime."},
+    ]
+}
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool | None
+    detail: str
+
+
+@dataclass
+class BackendReport:
+    model: str
+    backend: str
+    url: str
+    checks: list[Check] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok is not False for c in self.checks)
+
+    def add(self, name: str, ok: bool | None, detail: str) -> None:
+        self.checks.append(Check(name, ok, detail))
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, help="fleet config (YAML)")
+    parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for each backend's answers and events")
+    parser.add_argument("--json", action="store_true", help="print the reports as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(args.config)
+    except ConfigError as e:
+        print(e, file=sys.stderr)
+        return 2
+    reports = [check_backend(m, b, args.timeout) for m in config.models for b in m.backends]
+    if args.json:
+        print(json.dumps([{**asdict(r), "ok": r.ok} for r in reports], indent=2))
+    else:
+        _print(reports)
+    return 0 if all(r.ok for r in reports) else 1
+
+
+def check_backend(model: Model, backend: Backend, timeout: float) -> BackendReport:
+    report = BackendReport(model.name, backend.name, backend.url)
+    with httpx.Client(base_url=backend.url, timeout=timeout) as http:
+        if not _check_served(report, model, http):
+            return report
+        _check_events(report, model, backend, http, timeout)
+        _check_tokenize(report, model, http)
+    return report
+
+
+def _check_served(report: BackendReport, model: Model, http: httpx.Client) -> bool:
+    try:
+        health = http.get("/health")
+        models = http.get("/v1/models").json().get("data", [])
+    except (httpx.HTTPError, ValueError) as e:
+        report.add("reachable", False, f"{report.url}: {e!r}")
+        return False
+    report.add("reachable", health.status_code == 200, f"/health answered {health.status_code}")
+    ids = {m.get("id"): m for m in models if isinstance(m, dict)}
+    wanted = [model.name] + [a.name for a in model.lora_adapters]
+    missing = [n for n in wanted if n not in ids]
+    report.add("models served", not missing, f"missing {missing}; the engine serves {sorted(ids)}" if missing else ", ".join(wanted))
+    mml = ids.get(model.name, {}).get("max_model_len")
+    if model.max_model_len is not None and isinstance(mml, int) and mml < model.max_model_len:
+        report.add("max_model_len", False, f"engine {mml} < config {model.max_model_len}")
+    else:
+        report.add("max_model_len", None, str(mml))
+    return not missing
+
+
+def _check_events(report: BackendReport, model: Model, backend: Backend, http: httpx.Client, timeout: float) -> None:
+    if backend.kv_events is None:
+        report.add("kv events", None, "no kv_events endpoint configured: kv_aware falls back to load only")
+        return
+    try:
+        hasher = BlockHasher(model.hash_algo, model.block_size, model.hash_seed, model.vllm_version)
+    except HashConfigError as e:
+        report.add("hash config", False, str(e))
+        return
+    ctx = zmq.Context()
+    try:
+        for rank in range(backend.data_parallel_size):
+            endpoint = offset_endpoint(backend.kv_events, rank)
+            sub = ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.connect(endpoint)
+            time.sleep(0.3)  # ZMQ slow joiner: messages before the subscription lands are lost
+            _probe(http, model, hasher.block_size)
+            stored, first_seq, n_msgs = _collect(sub, timeout)
+            sub.close()
+            name = f"kv events rank {rank}"
+            if n_msgs == 0:
+                report.add(name, False, f"no message from {endpoint} after a probe request: check the engine's "
+                           "--kv-events-config (publisher zmq, endpoint tcp://*:PORT) and that the config gives "
+                           "tcp://HOST:PORT of that engine")
+                continue
+            report.add(name, True, f"connected to {endpoint}, seq {first_seq}")
+            if stored is None:
+                report.add(f"hashes rank {rank}", None, "no BlockStored seen (probe shorter than a block?)")
+                continue
+            _verify(report, model, hasher, stored, rank)
+            if backend.kv_replay:
+                _check_replay(report, ctx, offset_endpoint(backend.kv_replay, rank), first_seq, timeout, rank)
+    finally:
+        ctx.destroy(linger=0)
+
+
+def _probe(http: httpx.Client, model: Model, block_size: int) -> None:
+    words = " ".join(f"doctor-{uuid.uuid4().hex[:6]}" for _ in range(block_size))
+    try:
+        http.post("/v1/completions", json={"model": model.name, "prompt": words, "max_tokens": 1})
+    except httpx.HTTPError:
+        pass
+
+
+def _collect(sub: zmq.Socket, timeout: float) -> tuple[list[tuple[int, Any]] | None, int | None, int]:
+    """Messages for up to ``timeout`` seconds: the first batch with a BlockStored, the first seq."""
+    deadline = time.monotonic() + timeout
+    first_seq = None
+    n = 0
+    while (left := deadline - time.monotonic()) > 0:
+        if not sub.poll(int(left * 1000)):
+            break
+        try:
+            _, seq, payload = parse_pub_frames(sub.recv_multipart())
+            batch = decode_batch(payload)
+        except (EventDecodeError, ValueError):
+            continue
+        n += 1
+        first_seq = seq if first_seq is None else first_seq
+        if any(isinstance(ev, BlockStored) for ev in batch.events):
+            return [(seq, batch)], first_seq, n
+    return None, first_seq, n
+
+
+def _verify(report: BackendReport, model: Model, hasher: BlockHasher, stored: list[tuple[int, Any]], rank: int) -> None:
+    verifier = HashVerifier(hasher, {a.name: a.path for a in model.lora_adapters}, window=1, min_mismatches=1)
+    worker = Worker(report.backend, rank)
+    outcome = None
+    for _, batch in stored:
+        outcome = verifier.check(worker, batch)
+    assert outcome is not None
+    name = f"hashes rank {rank}"
+    if outcome.mismatch:
+        report.add(name, False, verifier.diagnosis(worker) or "the engine's block hashes differ from the router's")
+    elif outcome.match:
+        report.add(name, True, f"{outcome.match} block(s) hash identically ({model.hash_algo}, seed {model.hash_seed!r}, "
+                   f"block {model.block_size}, vLLM {model.vllm_version})")
+    else:
+        report.add(name, None, "the stored blocks could not be re-derived (parent unknown)")
+
+
+def _check_replay(report: BackendReport, ctx: zmq.Context, endpoint: str, seq: int | None, timeout: float, rank: int) -> None:
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(endpoint)
+    try:
+        dealer.send_multipart(build_replay_request(seq or 0))
+        if not dealer.poll(int(timeout * 1000)):
+            report.add(f"replay rank {rank}", False, f"{endpoint} did not answer a replay request")
+            return
+        reply = parse_replay_reply(dealer.recv_multipart())
+        report.add(f"replay rank {rank}", True, f"{endpoint} answered" + (f" from seq {reply[0]}" if reply else " (end marker)"))
+    except (ValueError, EventDecodeError) as e:
+        report.add(f"replay rank {rank}", False, f"{endpoint} answered malformed frames: {e}")
+    finally:
+        dealer.close()
+
+
+def _check_tokenize(report: BackendReport, model: Model, http: httpx.Client) -> None:
+    try:
+        local = load_tokenizer(model.tokenizer).chat_ids(SAMPLE_CHAT)
+    except TokenizeError as e:
+        report.add("tokenizer", False, f"local tokenizer {model.tokenizer!r}: {e}")
+        return
+    try:
+        r = http.post("/tokenize", json={"model": model.name, **SAMPLE_CHAT})
+        remote = r.json().get("tokens") if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError) as e:
+        report.add("tokenizer", None, f"/tokenize unavailable: {e!r}")
+        return
+    if remote is None:
+        report.add("tokenizer", None, f"/tokenize answered {r.status_code}")
+    elif remote == local:
+        report.add("tokenizer", True, f"/tokenize agrees on a sample chat ({len(local)} tokens)")
+    else:
+        first = next((i for i, (a, b) in enumerate(zip(local, remote)) if a != b), min(len(local), len(remote)))
+        report.add("tokenizer", False, f"/tokenize differs at token {first} ({len(local)} local vs {len(remote)} engine): "
+                   "wrong tokenizer or chat template; consider tokenizer_mode: remote")
+
+
+def _print(reports: list[BackendReport]) -> None:
+    console = Console()
+    for r in reports:
+        table = Table(title=f"{r.model} / {r.backend} ({r.url})", show_lines=False)
+        table.add_column("check")
+        table.add_column("result")
+        table.add_column("detail")
+        for c in r.checks:
+            mark = {True: "[green]ok[/green]", False: "[red]FAIL[/red]", None: "[yellow]info[/yellow]"}[c.ok]
+            table.add_row(c.name, mark, c.detail)
+        console.print(table)
+    bad = [r.backend for r in reports if not r.ok]
+    console.print("[red]problems on: " + ", ".join(bad) + "[/red]" if bad else "[green]all backends ok[/green]")
