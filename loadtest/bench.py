@@ -30,7 +30,7 @@ from typing import Any
 import httpx
 
 from loadtest import report, workloads
-from loadtest.fleet import Fleet, FleetError, FleetSpec, Router, scrape
+from loadtest.fleet import Fleet, FleetError, FleetSpec, Router, histogram_quantile, scrape, scrape_buckets
 from loadtest.replay import ReplayResult, Replayer, add_workload_args, load_workload, write_records
 from loadtest.workloads import Workload, WorkloadError
 
@@ -173,6 +173,7 @@ def run_policy(workload: Workload, spec: FleetSpec, policy: str, workdir: Path, 
         overhead = probe_overhead(router.url, list(workload.turns()), spec.model)
         router_metrics = _try_scrape(router.url + "/metrics")
         engine_metrics = {e.name: _try_scrape(e.url + "/metrics") for e in fleet.engines}
+        ttft_buckets = _engine_buckets(fleet, "vllm:time_to_first_token_seconds")
     summary = res.summary()
     result = {
         "policy": policy,
@@ -181,6 +182,8 @@ def run_policy(workload: Workload, spec: FleetSpec, policy: str, workdir: Path, 
         "router_overhead_ms": _mean_ms(router_metrics, "kvrouter_overhead_seconds"),
         "router_decision_probe_ms": overhead,
         "engine_prefix_hit_ratio": _ratio(engine_metrics, "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"),
+        "engine_ttft_s": {"p50": histogram_quantile(0.5, ttft_buckets), "p90": histogram_quantile(0.9, ttft_buckets),
+                          "p99": histogram_quantile(0.99, ttft_buckets)},
         "engine_ttft_mean_s": _ratio(engine_metrics, "vllm:time_to_first_token_seconds_sum",
                                      "vllm:time_to_first_token_seconds_count"),
         "engine_queue_mean_s": _ratio(engine_metrics, "vllm:request_queue_time_seconds_sum",
@@ -213,6 +216,17 @@ def _run_with_progress(replayer: Replayer, workload: Workload, sampler: EngineSa
         task_id = bar.add_task(label, total=workload.num_requests)
         replayer.on_done = lambda rec: bar.update(task_id, advance=1)
         return asyncio.run(go())
+
+
+def _engine_buckets(fleet: Fleet, histogram: str) -> dict[float, float]:
+    total: dict[float, float] = {}
+    for e in fleet.engines:
+        try:
+            for le, n in scrape_buckets(e.url + "/metrics", histogram).items():
+                total[le] = total.get(le, 0.0) + n
+        except (httpx.HTTPError, ValueError):
+            continue
+    return total
 
 
 def _mean_ms(metrics: dict[str, float], hist: str) -> float | None:

@@ -282,3 +282,40 @@ def scrape(url: str, timeout_s: float = 5.0) -> dict[str, float]:
         for s in fam.samples:
             out[s.name] = out.get(s.name, 0.0) + float(s.value)
     return out
+
+
+def scrape_buckets(url: str, histogram: str, timeout_s: float = 5.0) -> dict[float, float]:
+    """Cumulative bucket counts ``{le: count}`` of one histogram on a ``/metrics`` page, summed over label sets."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = httpx.get(url, timeout=timeout_s)
+    r.raise_for_status()
+    out: dict[float, float] = {}
+    for fam in text_string_to_metric_families(r.text):
+        for s in fam.samples:
+            if s.name == histogram + "_bucket":
+                le = float(s.labels["le"])
+                out[le] = out.get(le, 0.0) + float(s.value)
+    return out
+
+
+def histogram_quantile(q: float, buckets: dict[float, float]) -> float | None:
+    """Prometheus' ``histogram_quantile``: linear interpolation inside the bucket holding rank ``q``.
+
+    A rank in the ``+Inf`` bucket returns the highest finite bound, as Prometheus does.
+    """
+    bounds = sorted(buckets)
+    if not bounds or buckets[bounds[-1]] <= 0:
+        return None
+    rank = q * buckets[bounds[-1]]
+    prev_le, prev_count = 0.0, 0.0
+    for le in bounds:
+        count = buckets[le]
+        if count >= rank:
+            if le == float("inf"):
+                return prev_le
+            if count == prev_count:
+                return le
+            return prev_le + (le - prev_le) * (rank - prev_count) / (count - prev_count)
+        prev_le, prev_count = le, count
+    return prev_le
