@@ -257,7 +257,6 @@ class BenchOptions:
     rate_scale: float
     sample_interval_s: float = 0.5
     progress: bool = True
-    peer: str | None = None
     plot_prefix: str = ""
     title: str | None = None
 
@@ -294,14 +293,6 @@ def run_bench(opt: BenchOptions) -> dict[str, Any]:
         pr.result["ideal_cached_ratio"] = ideal
         runs.append(pr.result)
         traces.append(pr.trace)
-    if opt.peer:
-        from loadtest.peer import run_peer
-
-        pr = run_peer(opt.peer, scaled, opt.spec, work, speedup=opt.speedup, sample_interval_s=opt.sample_interval_s,
-                      progress=opt.progress)
-        pr.result["ideal_cached_ratio"] = ideal
-        runs.append(pr.result)
-        traces.append(pr.trace)
     results = {"meta": meta, "runs": runs}
     (opt.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     title = opt.title or f"{wl.name}, {opt.spec.backends} engines"
@@ -330,7 +321,6 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="qwen3-sim", help="served model name")
     p.add_argument("--sim-arg", action="append", default=[], help="extra argument for kvrouter sim (repeatable)")
     p.add_argument("--sample-interval", type=float, default=0.5, help="engine /metrics scrape period, wall s")
-    p.add_argument("--peer", choices=("vllm-router",), default=None, help="also run a peer router as a column")
     p.add_argument("--plot-prefix", default="", help="prefix of the PNG file names")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     add_workload_args(p)
@@ -348,7 +338,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
     spec = FleetSpec(backends=args.backends, model=args.model, tokenizer=args.tokenizer, speedup=args.speedup,
                      num_blocks=args.num_blocks, sim_args=list(args.sim_arg))
     return BenchOptions(Path(args.out), wl, spec, policies, args.speedup, args.target_load, args.rate_scale,
-                        sample_interval_s=args.sample_interval, progress=not args.quiet, peer=args.peer,
+                        sample_interval_s=args.sample_interval, progress=not args.quiet,
                         plot_prefix=args.plot_prefix)
 
 
