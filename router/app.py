@@ -159,6 +159,7 @@ class Router:
         self._unregister_metrics = metrics.register_fleet(
             metrics.FleetCollector(self.pool, self.loads, self.stream_stats, self.stream_registry)
         )
+        self.pool.open()
         await self.pool.check_all()
         self._tasks = [
             asyncio.create_task(self._health_forever()),
@@ -273,7 +274,7 @@ class Router:
         self._check_length(rt, body, all_lengths)
         t_lookup = time.perf_counter()
         hits = await self.index.lookup(rt.config.name, keys) if keys else {}
-        metrics.LOOKUP_SECONDS.labels(rt.config.name).observe(time.perf_counter() - t_lookup)
+        metrics.child(metrics.LOOKUP_SECONDS, rt.config.name).observe(time.perf_counter() - t_lookup)
         candidates = self._candidates(rt, hits)
         if not any(c.healthy for c in candidates):
             raise NoHealthyBackend(f"no healthy backend for model {rt.config.name!r}")
@@ -308,7 +309,7 @@ class Router:
             raise
         except Exception as e:  # noqa: BLE001 - a tokenizer crash must not fail the request
             log.warning("local tokenization of %s failed (%r); asking a backend", rt.config.name, e)
-            metrics.TOKENIZER_FALLBACKS.labels(rt.config.name, "local_error").inc()
+            metrics.child(metrics.TOKENIZER_FALLBACKS, rt.config.name, "local_error").inc()
             prompts = await self._remote_prompts(rt, body, kind)
             first = prompts[0] if prompts else []
             return first, [len(p) for p in prompts], rt.hasher.hash_blocks_int64(first, lora=lora, cache_salt=salt)
@@ -344,15 +345,15 @@ class Router:
         t1 = time.perf_counter()
         keys = rt.hasher.hash_blocks_int64(first, lora=lora, cache_salt=salt)
         name = rt.config.name
-        metrics.TOKENIZE_SECONDS.labels(name).observe(t1 - t0)
-        metrics.HASH_SECONDS.labels(name).observe(time.perf_counter() - t1)
+        metrics.child(metrics.TOKENIZE_SECONDS, name).observe(t1 - t0)
+        metrics.child(metrics.HASH_SECONDS, name).observe(time.perf_counter() - t1)
         return first, lengths, keys
 
     @staticmethod
     def _hash(rt: ModelRuntime, ids: list[int], lora: dict[str, Any] | None, salt: str | None) -> list[int]:
         t0 = time.perf_counter()
         keys = rt.hasher.hash_blocks_int64(ids, lora=lora, cache_salt=salt)
-        metrics.HASH_SECONDS.labels(rt.config.name).observe(time.perf_counter() - t0)
+        metrics.child(metrics.HASH_SECONDS, rt.config.name).observe(time.perf_counter() - t0)
         return keys
 
     async def _remote_prompts(self, rt: ModelRuntime, body: dict[str, Any], kind: str) -> list[list[int]]:
@@ -370,7 +371,7 @@ class Router:
             raise BadRequest(str(e)) from e
         except RemoteTokenizeError as e:
             raise UpstreamError(f"remote tokenization failed: {e}") from e
-        metrics.TOKENIZE_SECONDS.labels(rt.config.name).observe(time.perf_counter() - t0)
+        metrics.child(metrics.TOKENIZE_SECONDS, rt.config.name).observe(time.perf_counter() - t0)
         return prompts
 
     async def _parity_check(self, rt: ModelRuntime, body: dict[str, Any], kind: str, local_first: list[int]) -> None:
@@ -433,17 +434,17 @@ class Router:
         if backend != decision.backend:
             # A retry after the chosen backend failed before answering.
             rt.policy.commit(ctx, Decision(backend, "fallback", decision.order))
-            metrics.DECISIONS.labels(name, rt.policy.name, "fallback").inc()
+            metrics.child(metrics.DECISIONS, name, rt.policy.name, "fallback").inc()
             return
         rt.policy.commit(ctx, decision)
-        metrics.DECISIONS.labels(name, rt.policy.name, decision.reason).inc()
+        metrics.child(metrics.DECISIONS, name, rt.policy.name, decision.reason).inc()
         chosen = next(c for c in prepared.candidates if c.backend == backend)
-        metrics.MATCHED_BLOCKS.labels(name).observe(chosen.matched_blocks)
+        metrics.child(metrics.MATCHED_BLOCKS, name).observe(chosen.matched_blocks)
         if ctx.num_tokens:
             cached = chosen.predicted_cached_tokens(ctx.num_tokens, ctx.block_size)
-            metrics.PREDICTED_HIT_RATIO.labels(name).observe(cached / ctx.num_tokens)
+            metrics.child(metrics.PREDICTED_HIT_RATIO, name).observe(cached / ctx.num_tokens)
         if ctx.keys and rt.has_events and all(c.matched_blocks == 0 for c in prepared.candidates):
-            metrics.ZERO_BLOCK_REQUESTS.labels(name).inc()
+            metrics.child(metrics.ZERO_BLOCK_REQUESTS, name).inc()
 
     def prefill_tokens(self, prepared: Prepared) -> dict[str, int]:
         """Uncached prompt tokens per backend: the prefill work each would queue there
@@ -552,8 +553,18 @@ def create_app(config: Config, index: Index | None = None) -> FastAPI:
 
     @app.exception_handler(RouterError)
     async def _on_router_error(_: Request, exc: RouterError) -> Response:
-        metrics.REJECTED.labels(str(exc.status), exc.code).inc()
+        metrics.child(metrics.REJECTED, str(exc.status), exc.code).inc()
         return error_response(exc)
+
+    def route(path: str, method: str) -> Any:
+        """Plain Starlette routes: the endpoints read the raw request themselves, so FastAPI's
+        per-request dependency solving would be pure overhead on the hot path."""
+
+        def register(endpoint: Any) -> Any:
+            app.add_route(path, endpoint, methods=[method])
+            return endpoint
+
+        return register
 
     def check_key(request: Request) -> None:
         if expected_auth is not None and request.headers.get("authorization") != expected_auth:
@@ -593,11 +604,11 @@ def create_app(config: Config, index: Index | None = None) -> FastAPI:
             on_fallback=lambda backend: router.commit(prepared, backend),
         )
 
-    @app.post("/v1/chat/completions")
+    @route("/v1/chat/completions", "POST")
     async def chat_completions(request: Request) -> Response:
         return await openai(request, "chat", "/v1/chat/completions")
 
-    @app.post("/v1/completions")
+    @route("/v1/completions", "POST")
     async def completions(request: Request) -> Response:
         return await openai(request, "completion", "/v1/completions")
 
@@ -623,19 +634,19 @@ def create_app(config: Config, index: Index | None = None) -> FastAPI:
             retries=settings.retries,
         )
 
-    @app.post("/v1/embeddings")
+    @route("/v1/embeddings", "POST")
     async def embeddings(request: Request) -> Response:
         return await passthrough(request, "/v1/embeddings")
 
-    @app.post("/tokenize")
+    @route("/tokenize", "POST")
     async def tokenize(request: Request) -> Response:
         return await passthrough(request, "/tokenize")
 
-    @app.post("/detokenize")
+    @route("/detokenize", "POST")
     async def detokenize(request: Request) -> Response:
         return await passthrough(request, "/detokenize")
 
-    @app.get("/v1/models")
+    @route("/v1/models", "GET")
     async def models(request: Request) -> Response:
         check_key(request)
         data = []
@@ -645,17 +656,17 @@ def create_app(config: Config, index: Index | None = None) -> FastAPI:
                 data.append({"id": a.name, "object": "model", "created": 0, "owned_by": "kvrouter", "root": a.path, "parent": rt.config.name, "max_model_len": rt.max_model_len})
         return _json({"object": "list", "data": data})
 
-    @app.get("/health")
-    async def health() -> Response:
+    @route("/health", "GET")
+    async def health(_: Request) -> Response:
         if router.can_route():
             return _json({"status": "ok"})
         return _json({"status": "unavailable", "reason": "a model has no healthy backend"}, 503)
 
-    @app.get("/metrics")
-    async def prometheus() -> Response:
+    @route("/metrics", "GET")
+    async def prometheus(_: Request) -> Response:
         return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/debug/route")
+    @route("/debug/route", "POST")
     async def debug_route(request: Request) -> Response:
         check_key(request)
         raw, body = await read_json(request)
@@ -691,7 +702,7 @@ def create_app(config: Config, index: Index | None = None) -> FastAPI:
             answer["token_ids"] = prepared.token_ids
         return _json(answer)
 
-    @app.get("/debug/backends")
+    @route("/debug/backends", "GET")
     async def debug_backends(request: Request) -> Response:
         check_key(request)
         stats = router.stream_stats()

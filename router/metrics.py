@@ -9,7 +9,7 @@ live objects, so the hot path never updates a gauge.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -71,6 +71,19 @@ TOKENIZER_FALLBACKS = Counter(
     "kvrouter_tokenizer_fallbacks", "Requests tokenized remotely because local tokenization was unavailable or switched off",
     ["model", "reason"],
 )
+
+
+_CHILDREN: dict[tuple[int, tuple[str, ...]], Any] = {}
+
+
+def child(metric: Any, *labels: str) -> Any:
+    """``metric.labels(*labels)``, memoised: the hot path calls this several times per
+    request and prometheus-client's ``labels`` validates and locks on every call."""
+    key = (id(metric), labels)
+    c = _CHILDREN.get(key)
+    if c is None:
+        c = _CHILDREN[key] = metric.labels(*labels)
+    return c
 
 
 class FleetCollector(Collector):

@@ -7,8 +7,9 @@ watching the client connection:
   before any response byte, or a 502/503 answer moves to the next backend (at most
   ``retries`` times). Nothing is retried once a response byte has been received, so a
   request is never generated twice for one client;
-- the response is relayed chunk by chunk as it arrives (``aiter_raw``, no buffering,
-  no re-encoding) for streams, and in one piece for non-streamed answers;
+- the response is relayed chunk by chunk as it arrives (``iter_any``: whatever bytes
+  the socket delivered, no buffering, no re-encoding) for streams, and in one piece for
+  non-streamed answers;
 - a client disconnect cancels the work: the upstream response is closed, which closes
   its connection, which makes vLLM abort the request;
 - a backend found dead (connection refused) aborts the requests waiting on it
@@ -30,7 +31,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-import httpx
+import aiohttp
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
@@ -46,8 +47,11 @@ RELAYED_RESPONSE_HEADERS = (b"content-type", b"x-request-id", b"cache-control")
 BACKEND_HEADER = b"x-kvrouter-backend"
 REASON_HEADER = b"x-kvrouter-reason"
 
-_NO_BYTE_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
-"""Errors raised by ``send`` before any response byte arrived: safe to try elsewhere."""
+_CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
+"""The backend could not be reached: nothing was sent, safe to try elsewhere."""
+_NO_BYTE_ERRORS = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
+"""The connection failed before any response byte arrived: safe to try elsewhere."""
+_TIMEOUTS = (asyncio.TimeoutError, aiohttp.ServerTimeoutError)
 
 
 def forwarded_headers(headers: Mapping[str, str]) -> dict[str, str]:
@@ -120,7 +124,8 @@ class ProxyResponse(Response):
         status = 499
         backend_name = self._order[0] if self._order else "none"
         ticket: Ticket | None = None
-        upstream: httpx.Response | None = None
+        upstream: aiohttp.ClientResponse | None = None
+        complete = False
         try:
             try:
                 backend, ticket, upstream = await self._connect()
@@ -130,8 +135,8 @@ class ProxyResponse(Response):
                 await error_response(e)({"type": "http"}, _no_receive, send)
                 return
             backend_name = backend.name
-            status = upstream.status_code
-            headers = [(k, v) for k, v in upstream.headers.raw if k.lower() in RELAYED_RESPONSE_HEADERS]
+            status = upstream.status
+            headers = [(k, v) for k, v in upstream.raw_headers if k.lower() in RELAYED_RESPONSE_HEADERS]
             headers.append((BACKEND_HEADER, backend.name.encode()))
             if self._reason:
                 headers.append((REASON_HEADER, self._reason.encode()))
@@ -140,10 +145,11 @@ class ProxyResponse(Response):
                 status = await self._relay_stream(send, backend, ticket, upstream, headers)
             else:
                 status = await self._relay_whole(send, backend, ticket, upstream, headers)
+            complete = status < 500 or status == upstream.status
         except asyncio.CancelledError:
             if not self._backend_down:
                 status = 499
-                metrics.CLIENT_DISCONNECTS.labels(backend_name).inc()
+                metrics.child(metrics.CLIENT_DISCONNECTS, backend_name).inc()
                 raise
             _uncancel()
             status = 502
@@ -155,8 +161,13 @@ class ProxyResponse(Response):
             if self._first_ticket is not None:
                 self._first_ticket.release()
             if upstream is not None:
-                await upstream.aclose()
-            metrics.REQUESTS.labels(self._model, backend_name, self._policy, str(status)).inc()
+                # A finished exchange returns its connection to the pool; anything else closes
+                # it, which is how vLLM learns to abort the request.
+                if complete:
+                    upstream.release()
+                else:
+                    upstream.close()
+            metrics.child(metrics.REQUESTS, self._model, backend_name, self._policy, str(status)).inc()
 
     def _watch(self, backend: BackendState) -> None:
         task = asyncio.current_task()
@@ -178,7 +189,7 @@ class ProxyResponse(Response):
             watched[1].cancel()
 
     async def _answer_backend_down(self, send: Send, backend: str) -> None:
-        metrics.UPSTREAM_FAILURES.labels(backend, "backend_down").inc()
+        metrics.child(metrics.UPSTREAM_FAILURES, backend, "backend_down").inc()
         message = f"backend {backend} went down while serving the request"
         if self._response_started:
             event = error_body(message, "server_error", "upstream_error")
@@ -186,7 +197,7 @@ class ProxyResponse(Response):
         else:
             await error_response(UpstreamError(message))({"type": "http"}, _no_receive, send)
 
-    async def _connect(self) -> tuple[BackendState, Ticket, httpx.Response]:
+    async def _connect(self) -> tuple[BackendState, Ticket, aiohttp.ClientResponse]:
         last: RouterError = UpstreamError("no backend could be tried")
         tried = 0
         for name in self._order:
@@ -203,27 +214,35 @@ class ProxyResponse(Response):
                     ticket.release()
                 ticket = self._loads.acquire(name, self._keys, self._prefill.get(name, 0))
             if tried == 1:
-                metrics.OVERHEAD_SECONDS.labels(self._model).observe(time.perf_counter() - self._started)
+                metrics.child(metrics.OVERHEAD_SECONDS, self._model).observe(time.perf_counter() - self._started)
             elif self._on_fallback is not None:
                 self._on_fallback(name)
             self._watch(backend)
+            session = backend.session
+            assert session is not None, "BackendPool.open() was not called"
             try:
-                request = backend.client.build_request(self._method, self._path, content=self._body, headers=self._headers)
-                upstream = await backend.client.send(request, stream=True)
-            except _NO_BYTE_ERRORS as e:
+                upstream = await session.request(self._method, self._path, data=self._body, headers=self._headers)
+            except (*_CONNECT_ERRORS, *_NO_BYTE_ERRORS) as e:
                 ticket.release()
-                kind = "connect" if isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)) else "reset"
+                kind = "connect" if isinstance(e, _CONNECT_ERRORS) else "reset"
                 backend.record_failure(f"{kind}: {e!r}", connect_error=kind == "connect")
-                metrics.UPSTREAM_FAILURES.labels(name, kind).inc()
-                metrics.RETRIES.labels(name, kind).inc()
+                metrics.child(metrics.UPSTREAM_FAILURES, name, kind).inc()
+                metrics.child(metrics.RETRIES, name, kind).inc()
                 last = UpstreamError(f"backend {name} failed before answering ({kind}: {e!r})")
                 last.backend = name  # type: ignore[attr-defined]
                 continue
-            except httpx.TimeoutException as e:
+            except _TIMEOUTS as e:
                 ticket.release()
                 backend.record_failure(f"timeout: {e!r}")
-                metrics.UPSTREAM_FAILURES.labels(name, "timeout").inc()
+                metrics.child(metrics.UPSTREAM_FAILURES, name, "timeout").inc()
                 err = UpstreamTimeout(f"backend {name} did not answer in time")
+                err.backend = name  # type: ignore[attr-defined]
+                raise err from e
+            except aiohttp.ClientError as e:
+                ticket.release()
+                backend.record_failure(f"error: {e!r}")
+                metrics.child(metrics.UPSTREAM_FAILURES, name, "error").inc()
+                err = UpstreamError(f"backend {name} failed: {e!r}")
                 err.backend = name  # type: ignore[attr-defined]
                 raise err from e
             except BaseException:
@@ -231,12 +250,12 @@ class ProxyResponse(Response):
                 raise
             finally:
                 self._unwatch()
-            if upstream.status_code in (502, 503) and tried <= self._retries and self._has_next(name):
-                await upstream.aclose()
+            if upstream.status in (502, 503) and tried <= self._retries and self._has_next(name):
+                upstream.release()
                 ticket.release()
-                backend.record_failure(f"answered {upstream.status_code}")
-                metrics.UPSTREAM_FAILURES.labels(name, f"status_{upstream.status_code}").inc()
-                metrics.RETRIES.labels(name, f"status_{upstream.status_code}").inc()
+                backend.record_failure(f"answered {upstream.status}")
+                metrics.child(metrics.UPSTREAM_FAILURES, name, f"status_{upstream.status}").inc()
+                metrics.child(metrics.RETRIES, name, f"status_{upstream.status}").inc()
                 continue
             if tried > 1:
                 self._reason = "fallback"
@@ -248,25 +267,25 @@ class ProxyResponse(Response):
         return any(self._pool.get(n).routable for n in self._order[i + 1 :])
 
     async def _relay_whole(
-        self, send: Send, backend: BackendState, ticket: Ticket, upstream: httpx.Response, headers: list[tuple[bytes, bytes]]
+        self, send: Send, backend: BackendState, ticket: Ticket, upstream: aiohttp.ClientResponse, headers: list[tuple[bytes, bytes]]
     ) -> int:
         try:
-            body = await upstream.aread()
-        except httpx.TimeoutException:
+            body = await upstream.read()
+        except _TIMEOUTS:
             backend.record_failure("read timeout")
-            metrics.UPSTREAM_FAILURES.labels(backend.name, "timeout").inc()
+            metrics.child(metrics.UPSTREAM_FAILURES, backend.name, "timeout").inc()
             await error_response(UpstreamTimeout(f"backend {backend.name} did not finish in time"))({"type": "http"}, _no_receive, send)
             return 504
-        except httpx.HTTPError as e:
+        except aiohttp.ClientError as e:
             backend.record_failure(f"reset: {e!r}")
-            metrics.UPSTREAM_FAILURES.labels(backend.name, "reset").inc()
+            metrics.child(metrics.UPSTREAM_FAILURES, backend.name, "reset").inc()
             await error_response(UpstreamError(f"backend {backend.name} failed mid-response: {e!r}"))({"type": "http"}, _no_receive, send)
             return 502
         ticket.first_token()
-        status = upstream.status_code
+        status = upstream.status
         if status >= 500:
             backend.record_failure(f"answered {status}")
-            metrics.UPSTREAM_FAILURES.labels(backend.name, f"status_{status}").inc()
+            metrics.child(metrics.UPSTREAM_FAILURES, backend.name, f"status_{status}").inc()
         else:
             backend.record_success()
         headers.append((b"content-length", str(len(body)).encode()))
@@ -275,21 +294,21 @@ class ProxyResponse(Response):
         return status
 
     async def _relay_stream(
-        self, send: Send, backend: BackendState, ticket: Ticket, upstream: httpx.Response, headers: list[tuple[bytes, bytes]]
+        self, send: Send, backend: BackendState, ticket: Ticket, upstream: aiohttp.ClientResponse, headers: list[tuple[bytes, bytes]]
     ) -> int:
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         self._response_started = True
         first = True
         try:
-            async for chunk in upstream.aiter_raw():
+            async for chunk in upstream.content.iter_any():
                 if first:
                     ticket.first_token()
                     first = False
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        except httpx.HTTPError as e:
-            kind = "timeout" if isinstance(e, httpx.TimeoutException) else "reset"
+        except (aiohttp.ClientError, *_TIMEOUTS) as e:
+            kind = "timeout" if isinstance(e, _TIMEOUTS) else "reset"
             backend.record_failure(f"{kind} mid-stream: {e!r}")
-            metrics.UPSTREAM_FAILURES.labels(backend.name, kind).inc()
+            metrics.child(metrics.UPSTREAM_FAILURES, backend.name, kind).inc()
             event = error_body(f"backend {backend.name} failed mid-stream: {e!r}", "server_error", "upstream_error")
             await send({"type": "http.response.body", "body": b"data: " + event + b"\n\n", "more_body": False})
             return 502

@@ -1,0 +1,357 @@
+"""Router overhead: latency through kvrouter minus direct-to-backend, and max req/s.
+
+Targets, all in front of the same backends in the same run:
+
+* ``direct``: the client talks to a backend itself (the baseline);
+* ``kvrouter``: ``kvrouter serve`` with the kv_aware policy (tokenize, hash, look up, route);
+* ``vllm-router rr`` / ``vllm-router kv``: the Rust ``vllm-router`` (pip) with
+  ``round_robin`` and with ``kv_aware`` fed by the engines' KV events
+  (``--kv-event-source``), when it is installed.
+
+Backends are simulated vLLM engines (``kvrouter sim``, 2 instances) run with a large
+``--speedup`` so their own time is small next to what is measured. Latency cases: cold
+prompts of 1k / 4k / 32k tokens never seen before, and a warm 10-turn chat whose ~8k-
+token history the router has seen, plus ~200 new tokens; each non-streamed (total
+latency) and streamed (time to first token), with 1 and 32 concurrent clients.
+Overhead = a target's percentile minus direct's at the same percentile.
+
+Max req/s: short chat requests from many keep-alive connections for a few seconds
+against a *null engine* (below), so that neither the engine nor the client limits the
+router. The client is a minimal asyncio HTTP/1.1 keep-alive loop: httpx itself costs
+about a millisecond of CPU per request, which on this 2-core machine would cap the
+measurement below what the router sustains. The router is one process (one core).
+
+    .venv/bin/python benchmarks/bench_router_overhead.py [--reps 20] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+from support import KVROUTER, QWEN3_DIR, Proc, free_port, free_ports, wait_http  # noqa: E402
+
+from router.tokenize import PromptTokenizer  # noqa: E402
+
+MODEL = "qwen3-0.6b"
+SHAREGPT = REPO / "loadtest" / "data" / "traces" / "sharegpt_multiturn_150.json"
+VLLM_ROUTER = shutil.which("vllm-router") or str(Path(sys.executable).with_name("vllm-router"))
+
+
+# -- the null engine: the vLLM HTTP surface answering instantly --------------------------
+
+_CHAT = json.dumps({
+    "id": "chatcmpl-null", "object": "chat.completion", "created": 0, "model": MODEL,
+    "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
+    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+}).encode()
+_METRICS = (b"# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{model_name=\"m\"} 0.0\n"
+            b"# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{model_name=\"m\"} 0.0\n")
+
+
+async def null_engine(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """Answers every request at once: /health, /metrics, /v1/models, and a fixed chat reply."""
+    if scope["type"] != "http":
+        return
+    more = True
+    while more:
+        msg = await receive()
+        more = msg.get("more_body", False)
+    path = scope["path"]
+    if path == "/metrics":
+        body = _METRICS
+    elif path == "/v1/models":
+        body = json.dumps({"object": "list", "data": [{"id": MODEL, "object": "model", "max_model_len": 40960}]}).encode()
+    elif path == "/health":
+        body = b""
+    else:
+        body = _CHAT
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def run_null_engine(port: int) -> None:
+    import uvicorn
+
+    uvicorn.run(null_engine, host="127.0.0.1", port=port, loop="uvloop", http="httptools", access_log=False, log_level="warning")
+
+
+# -- workloads --------------------------------------------------------------------------
+
+
+class Texts:
+    """Natural text (ShareGPT) cut to exact token counts, each piece used once."""
+
+    def __init__(self) -> None:
+        self.tok = PromptTokenizer.load(str(QWEN3_DIR))
+        ids: list[int] = []
+        for conv in json.loads(SHAREGPT.read_text()):
+            for turn in conv["conversations"]:
+                ids.extend(self.tok.encode_full(turn["value"] + "\n"))
+        self.ids = ids
+        self.pos = 0
+
+    def take(self, n: int) -> str:
+        if self.pos + n > len(self.ids):
+            self.pos = 0
+        start = self.pos
+        self.pos += n
+        return self.tok.decode(self.ids[start : start + n])
+
+
+def cold_bodies(texts: Texts, size: int, count: int) -> list[dict[str, Any]]:
+    return [{"model": MODEL, "messages": [{"role": "user", "content": f"[{os.urandom(6).hex()}] " + texts.take(size)}], "max_tokens": 1}
+            for _ in range(count)]
+
+
+def warm_chat(texts: Texts, count: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    history = [{"role": "system", "content": texts.take(400)}]
+    for k in range(10):
+        history.append({"role": "user" if k % 2 == 0 else "assistant", "content": texts.take(760)})
+    seen = {"model": MODEL, "messages": [*history, {"role": "user", "content": "an earlier question"}], "max_tokens": 1}
+    bodies = [{"model": MODEL, "messages": [*history, {"role": "user", "content": texts.take(200)}], "max_tokens": 1}
+              for _ in range(count)]
+    return seen, bodies
+
+
+# -- measurement ------------------------------------------------------------------------
+
+
+async def timed(http: httpx.AsyncClient, url: str, body: dict[str, Any], stream: bool) -> float:
+    t0 = time.perf_counter()
+    if not stream:
+        r = await http.post(url, json=body)
+        r.raise_for_status()
+        return time.perf_counter() - t0
+    async with http.stream("POST", url, json={**body, "stream": True}) as r:
+        r.raise_for_status()
+        async for _ in r.aiter_raw():
+            return time.perf_counter() - t0  # time to first token
+    return time.perf_counter() - t0
+
+
+async def latencies(base: str, bodies: list[dict[str, Any]], stream: bool, concurrency: int) -> list[float]:
+    sem = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=base, timeout=120, limits=limits) as http:
+        await timed(http, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "warm up"}], "max_tokens": 1}, False)
+
+        async def one(b: dict[str, Any]) -> float:
+            async with sem:
+                return await timed(http, "/v1/chat/completions", b, stream)
+
+        return list(await asyncio.gather(*(one(b) for b in bodies)))
+
+
+def pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
+
+
+async def max_rps(port: int, seconds: float, connections: int) -> float:
+    """Completed requests per second from ``connections`` keep-alive HTTP/1.1 loops."""
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Hi, how are you?"}], "max_tokens": 1}).encode()
+    request = (b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+               b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    done = 0
+    errors = 0
+    stop = time.perf_counter() + seconds
+
+    async def loop() -> None:
+        nonlocal done, errors
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            while time.perf_counter() < stop:
+                writer.write(request)
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = 0
+                for line in head.split(b"\r\n"):
+                    if line[:15].lower() == b"content-length:":
+                        length = int(line[15:])
+                await reader.readexactly(length)
+                if head.startswith(b"HTTP/1.1 200"):
+                    done += 1
+                else:
+                    errors += 1
+        finally:
+            writer.close()
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(loop() for _ in range(connections)))
+    elapsed = time.perf_counter() - t0
+    if errors:
+        print(f"  ({errors} non-200 answers)")
+    return done / elapsed
+
+
+# -- processes --------------------------------------------------------------------------
+
+
+def kvrouter_config(backends: list[tuple[str, int, int | None]], path: Path) -> None:
+    cfg = {
+        "models": [{
+            "name": MODEL, "tokenizer": str(QWEN3_DIR), "block_size": 16, "hash_algo": "sha256", "hash_seed": "0",
+            "backends": [
+                {"name": name, "url": f"http://127.0.0.1:{http}", **({"kv_events": f"tcp://127.0.0.1:{ev}"} if ev else {})}
+                for name, http, ev in backends
+            ],
+        }],
+        "router": {"policy": "kv_aware", "max_body_bytes": 64 << 20},
+    }
+    path.write_text(yaml.safe_dump(cfg))
+
+
+def start_kvrouter(cfg: Path, log: Path) -> tuple[Proc, str]:
+    port = free_port()
+    proc = Proc(KVROUTER + ["serve", "--config", str(cfg), "--port", str(port), "--log-level", "warning"], log)
+    wait_http(f"http://127.0.0.1:{port}/health", timeout=180, proc=proc.popen)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def start_vllm_router(policy: str, workers: list[tuple[int, int | None]], log: Path) -> tuple[Proc, str]:
+    port = free_port()
+    args = [VLLM_ROUTER, "--host", "127.0.0.1", "--port", str(port), "--policy", policy, "--log-level", "warning",
+            "--worker-urls", *[f"http://127.0.0.1:{http}" for http, _ in workers], "--max-payload-size", str(64 << 20)]
+    if policy == "kv_aware":
+        for http, ev in workers:
+            args += ["--kv-event-source", f"http://127.0.0.1:{http}=tcp://127.0.0.1:{ev}"]
+        args += ["--kv-event-block-size", "16", "--kv-event-model", MODEL]
+    args += ["--prometheus-port", str(free_port())]
+    proc = Proc(args, log)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}, timeout=5)
+            if r.status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if proc.popen.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"vllm-router ({policy}) did not start:\n{proc.log()}")
+        time.sleep(0.3)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=20, help="requests per case at concurrency 1 (32 clients send 2x)")
+    ap.add_argument("--rps-seconds", type=float, default=4.0)
+    ap.add_argument("--no-peer", action="store_true", help="skip vllm-router")
+    ap.add_argument("--json", type=Path, default=None, help="also write the results here")
+    args = ap.parse_args()
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench_router_"))
+    procs: list[Proc] = []
+    results: dict[str, Any] = {"latency": [], "rps": {}}
+    try:
+        sim_http, sim_ev = free_ports(2), free_ports(2)
+        sim = Proc(KVROUTER + ["sim", "--instances", "2", "--port", str(sim_http), "--kv-events-port", str(sim_ev), "--model", MODEL,
+                               "--tokenizer", str(QWEN3_DIR), "--hash-seed", "0", "--speedup", "1000", "--max-model-len", "40960"], tmp / "sim.log")
+        procs.append(sim)
+        null_port = free_port()
+        null = Proc([sys.executable, __file__, "--null-engine", str(null_port)], tmp / "null.log")
+        procs.append(null)
+        for i in range(2):
+            wait_http(f"http://127.0.0.1:{sim_http + i}/health", timeout=180, proc=sim.popen)
+        wait_http(f"http://127.0.0.1:{null_port}/health", timeout=60, proc=null.popen)
+
+        kvrouter_config([(f"sim-{i}", sim_http + i, sim_ev + i) for i in range(2)], tmp / "sim.yaml")
+        kvrouter_config([("null", null_port, None)], tmp / "null.yaml")
+        router, router_url = start_kvrouter(tmp / "sim.yaml", tmp / "router.log")
+        procs.append(router)
+        targets = {"direct": f"http://127.0.0.1:{sim_http}", "kvrouter": router_url}
+        have_peer = not args.no_peer and Path(VLLM_ROUTER).exists()
+        if have_peer:
+            workers = [(sim_http + i, sim_ev + i) for i in range(2)]
+            for name, policy in (("vllm-router rr", "round_robin"), ("vllm-router kv", "kv_aware")):
+                p, url = start_vllm_router(policy, workers, tmp / f"{policy}.log")
+                procs.append(p)
+                targets[name] = url
+        else:
+            print("vllm-router not installed (pip install vllm-router): peer comparison skipped")
+
+        texts = Texts()
+        reps = args.reps
+        cases: list[tuple[str, list[dict[str, Any]], dict[str, Any] | None]] = []
+        for size in (1000, 4000, 32000):
+            n = reps if size < 32000 else max(4, reps // 4)
+            cases.append((f"cold {size // 1000}k", cold_bodies(texts, size, n * 3), None))
+        seen, warm = warm_chat(texts, reps * 3)
+        cases.append(("warm 10-turn 8k+200", warm, seen))
+
+        print(f"{'case':22} {'mode':7} {'conc':>4} {'target':16} {'p50 ms':>8} {'p99 ms':>8} {'ovh p50':>8} {'ovh p99':>8}")
+        for case, bodies, prime in cases:
+            if prime is not None:
+                for url in targets.values():
+                    httpx.post(url + "/v1/chat/completions", json=prime, timeout=60)
+            for stream in (False, True):
+                for conc in (1, 32):
+                    n = len(bodies) // 3 if conc == 1 else min(len(bodies), 2 * len(bodies) // 3)
+                    base: dict[str, float] = {}
+                    for ti, (target, url) in enumerate(targets.items()):
+                        # every target gets fresh prompts of the same size (cold stays cold)
+                        chunk = [dict(b) for b in bodies[:n]] if prime is not None else cold_bodies(texts, int(case.split()[1][:-1]) * 1000, n)
+                        lat = asyncio.run(latencies(url, chunk, stream, conc))
+                        p50, p99 = pct(lat, 0.5) * 1e3, pct(lat, 0.99) * 1e3
+                        if target == "direct":
+                            base = {"p50": p50, "p99": p99}
+                        row = {"case": case, "stream": stream, "concurrency": conc, "target": target, "p50_ms": p50, "p99_ms": p99,
+                               "overhead_p50_ms": p50 - base["p50"], "overhead_p99_ms": p99 - base["p99"], "n": n}
+                        results["latency"].append(row)
+                        ovh = "" if target == "direct" else f"{row['overhead_p50_ms']:8.2f} {row['overhead_p99_ms']:8.2f}"
+                        print(f"{case:22} {'stream' if stream else 'whole':7} {conc:4d} {target:16} {p50:8.2f} {p99:8.2f} {ovh}", flush=True)
+
+        # Max req/s on short requests, against the null engine.
+        null_router, null_router_url = start_kvrouter(tmp / "null.yaml", tmp / "router-null.log")
+        procs.append(null_router)
+        rps_targets = {"direct (null engine)": null_port, "kvrouter": int(null_router_url.rsplit(":", 1)[1])}
+        if have_peer:
+            p, url = start_vllm_router("round_robin", [(null_port, None)], tmp / "rr-null.log")
+            procs.append(p)
+            rps_targets["vllm-router rr"] = int(url.rsplit(":", 1)[1])
+        print(f"\nmax req/s, short chat requests, 64 keep-alive connections, {args.rps_seconds:.0f} s each:")
+        for name, port in rps_targets.items():
+            asyncio.run(max_rps(port, 0.5, 16))
+            rps = asyncio.run(max_rps(port, args.rps_seconds, 64))
+            results["rps"][name] = rps
+            print(f"  {name:22} {rps:8.0f} req/s")
+
+        print("\nsummary (overhead vs direct, p50 ms; ratio = kvrouter / vllm-router):")
+        for case, _, _ in cases:
+            for stream in (False, True):
+                for conc in (1, 32):
+                    rows = {r["target"]: r for r in results["latency"] if r["case"] == case and r["stream"] == stream and r["concurrency"] == conc}
+                    line = f"  {case:22} {'stream' if stream else 'whole':7} c={conc:<3} kvrouter {rows['kvrouter']['overhead_p50_ms']:7.2f}"
+                    for peer in ("vllm-router rr", "vllm-router kv"):
+                        if peer in rows:
+                            line += f" | {peer} {rows[peer]['overhead_p50_ms']:7.2f} (p50 latency ratio {rows['kvrouter']['p50_ms'] / rows[peer]['p50_ms']:.2f}x)"
+                    print(line)
+        if "vllm-router rr" in results["rps"]:
+            print(f"  req/s ratio kvrouter / vllm-router rr: {results['rps']['kvrouter'] / results['rps']['vllm-router rr']:.2f}x")
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=2))
+    finally:
+        for p in reversed(procs):
+            p.stop()
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--null-engine":
+        run_null_engine(int(sys.argv[2]))
+    else:
+        main()
