@@ -2,36 +2,45 @@
 
 Semantics are :mod:`indexer.index`'s exactly (one test suite runs over both). Layout,
 per model, under the prefix ``{ns}:{<model>}:`` (the braces are a cluster hash tag, so
-one model's keys share a slot and a lookup script may touch all of them):
+one model's keys share a slot and a script may touch all of them):
 
-* ``reg`` -- a hash whose fields name every (worker, medium) that was written:
-  ``<medium>\\n<worker>`` where ``<worker>`` is ``["backend",dp_rank]`` in compact JSON.
-* ``s:<field>`` -- one set per (worker, medium): the worker's blocks in that medium,
-  each member the key as 8 big-endian bytes.
-* ``x:<field>`` -- a hash per (worker, medium), present only while the worker holds
-  some key in more than one block: member -> copies beyond the first (always > 0,
-  only for members of ``s:<field>``). Lookups never read it; a remove decrements it
-  before taking the member out of the set.
+* ``reg`` -- a hash: live worker id (``["backend",dp_rank]`` in compact JSON) -> slot
+  number. Slot ``s`` is bit ``s % 32`` of page ``s // 32``.
+* ``m`` -- a set of the media ever written.
+* ``h:<medium>\\n<page>`` -- one hash per (medium, page of 32 slots): block key (8
+  big-endian bytes) -> bitmask of the page's slots holding it in that medium, as a
+  decimal 32-bit signed int (Lua's ``bit`` library works on those), never 0: a key no
+  slot holds is deleted.
+* ``l:<slot>\\n<medium>`` -- a set per (slot, medium): the keys whose mask has the
+  slot's bit. It is what ``clear`` walks (no SCAN) and ``SCARD`` is the block count.
+* ``x:<slot>\\n<medium>`` -- present only while the slot holds some key in more than one
+  block: key -> copies beyond the first (always > 0, only for keys in the slot's log).
+* ``d`` -- a hash whose fields are slots being drained after a ``clear``.
 * ``{ns}:models`` -- the models written, for memory accounting.
 
-Why per-worker sets rather than one hash per block: a lookup asks each worker's set
-about a whole chunk of the chain with one ``SMISMEMBER`` (C speed, no per-block command
-inside the script), clearing a worker is an ``UNLINK`` of its sets (freed by Redis'
-background thread, no SCAN and no per-block work), and ``SCARD`` is the block count.
-Duplicates are rare, hence a side hash of extra copies rather than a count per member:
-the set stays what lookups read, and a remove of a (worker, medium) without a hash of
-extras is a plain ``SREM``.
+Why one hash of masks per medium rather than a set per worker: a lookup is one
+``HMGET`` per medium for a chunk of the chain (growing chunks: 16, 64, 256, 1024, 4096
+keys, so a miss costs little) and a walk with Lua's ``bit`` library that serves every
+worker of a page at once and stops when the last one drops out; consecutive identical
+mask strings (the common case: a prefix shared by the same workers) skip even the bit
+operations. The cost is per matched block, not per (worker, matched block). The price
+is memory: the per-slot log sets duplicate what the masks say, so ``clear`` needs no
+SCAN and does bounded work.
 
-A lookup is one ``EVALSHA`` round trip: the script reads the registry, then for each
-worker walks the chain in growing chunks (16, 32, ... 4096 keys, so a worker that
-misses early costs little) and stops at its first miss. The script is read-only
-(``flags=no-writes``) so it also runs on replicas. Needs Redis >= 7.0 (shebang flags) or Valkey;
-only core commands are used.
+``clear`` is immediate for readers: it takes the worker out of ``reg`` (a lookup only
+looks at bits of slots in ``reg``), drops its extra copies, and marks its slot as
+draining in ``d``. The slot's bits are then cleared from its log sets in steps of at
+most :data:`_DRAIN` keys per script call (so one worker with millions of blocks never
+blocks Redis for long); a slot is reused only once drained. Every write call finishes
+with a step of draining when ``d`` is not empty, and :meth:`RedisIndex.clear` (or an
+``apply`` whose batch cleared) repeats empty write calls until nothing is left, so a
+process that died mid-drain leaves work that the next write resumes.
 
+A lookup is one ``EVALSHA`` round trip, read-only (``flags=no-writes``) so it also runs
+on replicas. Needs Redis >= 7.0 (shebang flags) or Valkey; only core commands are used.
 Every write call (``apply``: one event batch; ``store``, ``remove``, ``clear``) is one
-``EVALSHA`` of :data:`_WRITE`, which must see a set before and after ``SADD`` to know
-which members were already held; a script also keeps a batch atomic, and a missing
-script (server restart) costs one reload with nothing half-applied. The model's name
+``EVALSHA`` of :data:`_WRITE` (a read-modify-write of masks must be atomic; a script
+also keeps a batch atomic), plus the drain steps above after a clear. The model's name
 goes into ``{ns}:models`` (a different cluster slot) by a separate command, once per
 model per process.
 """
@@ -51,28 +60,40 @@ from indexer.index import DEFAULT_MEDIUM, Hits, Worker, batch_ops, validate_keys
 
 __all__ = ["RedisIndex"]
 
-_CHUNK = 4096
-"""Members per set command inside the write script: Lua's ``unpack`` is bounded (8000 in Redis' Lua)."""
+_CHUNK = 2048
+"""Keys per command inside the write script: an ``HSET`` of pairs takes twice as many arguments, and Lua's ``unpack`` is bounded (8000 in Redis' Lua)."""
+
+_DRAIN = 10_000
+"""Most log keys one write call clears for draining slots, bounding its time (~10 ms)."""
+
+_PAGE = 32
+"""Slots per mask hash: Lua's ``bit`` library works on 32-bit ints."""
 
 _LOOKUP = """#!lua flags=no-writes
 local prefix = ARGV[1]
 local blob = ARGV[2]
 local n = #blob / 8
 if n == 0 then return {} end
+local band, bor, bxor, bnot, lshift = bit.band, bit.bor, bit.bxor, bit.bnot, bit.lshift
 local function rank(m)
   if m == 'GPU' then return '0' elseif m == 'CPU' then return '1' end
   return '2' .. m
 end
-local workers, order = {}, {}
-for _, f in ipairs(redis.call('HKEYS', KEYS[1])) do
-  local medium, wid = string.match(f, '^([^\\n]*)\\n(.*)$')
-  local w = workers[wid]
-  if not w then
-    w = {}
-    workers[wid] = w
-    order[#order + 1] = wid
+local media = redis.call('SMEMBERS', prefix .. 'm')
+if #media == 0 then return {} end
+table.sort(media, function(a, b) return rank(a) < rank(b) end)
+local nm = #media
+local owner, pages, page_list = {}, {}, {}
+local reg = redis.call('HGETALL', KEYS[1])
+for i = 1, #reg, 2 do
+  local slot = tonumber(reg[i + 1])
+  owner[slot] = reg[i]
+  local p = math.floor(slot / 32)
+  if not pages[p] then
+    pages[p] = 0
+    page_list[#page_list + 1] = p
   end
-  w[#w + 1] = {rank(medium), medium, prefix .. 's:' .. f}
+  pages[p] = bor(pages[p], lshift(1, slot % 32))
 end
 local chunks = {}
 local function chunk(first, last)
@@ -85,123 +106,237 @@ local function chunk(first, last)
   return c
 end
 local out = {}
-for _, wid in ipairs(order) do
-  local media = workers[wid]
-  table.sort(media, function(a, b) return a[1] < b[1] end)
-  local counts = {}
-  for j = 1, #media do counts[j] = 0 end
-  local first, size, done = 1, 16, false
-  while first <= n and not done do
+for _, p in ipairs(page_list) do
+  local alive = pages[p]
+  local ends = {}
+  local spread = {}
+  for j = 2, nm do spread[j] = {} end
+  local hashes = {}
+  for j = 1, nm do hashes[j] = prefix .. 'h:' .. media[j] .. '\\n' .. p end
+  local first, size = 1, 16
+  while first <= n and alive ~= 0 do
     local last = math.min(first + size - 1, n)
-    local members = chunk(first, last)
-    local held = {}
-    for j = 1, #media do
-      held[j] = redis.call('SMISMEMBER', media[j][3], unpack(members))
-    end
-    if #media == 1 then
-      local h, c = held[1], 0
+    local fields = chunk(first, last)
+    if nm == 1 then
+      local masks = redis.call('HMGET', hashes[1], unpack(fields))
+      local same = nil
       for i = 1, last - first + 1 do
-        if h[i] == 0 then done = true break end
-        c = c + 1
-      end
-      counts[1] = counts[1] + c
-    else
-      for i = 1, last - first + 1 do
-        local best = 0
-        for j = 1, #media do
-          if held[j][i] == 1 then best = j break end
+        local v = masks[i]
+        if v ~= same then
+          local held = v and band(tonumber(v), alive) or 0
+          if held ~= alive then
+            ends[#ends + 1] = {bxor(alive, held), first + i - 2}
+            alive = held
+            if alive == 0 then break end
+          end
+          same = v
         end
-        if best == 0 then done = true break end
-        counts[best] = counts[best] + 1
+      end
+    else
+      local masks = {}
+      for j = 1, nm do masks[j] = redis.call('HMGET', hashes[j], unpack(fields)) end
+      for i = 1, last - first + 1 do
+        local m = {}
+        local held = 0
+        for j = 1, nm do
+          local v = masks[j][i]
+          m[j] = v and tonumber(v) or 0
+          held = bor(held, m[j])
+        end
+        held = band(held, alive)
+        if held ~= alive then
+          ends[#ends + 1] = {bxor(alive, held), first + i - 2}
+          alive = held
+          if alive == 0 then break end
+        end
+        local covered = m[1]
+        for j = 2, nm do
+          local only = band(m[j], band(alive, bnot(covered)))
+          if only ~= 0 then
+            local s = spread[j]
+            for b = 0, 31 do
+              if band(only, lshift(1, b)) ~= 0 then s[b] = (s[b] or 0) + 1 end
+            end
+          end
+          covered = bor(covered, m[j])
+        end
       end
     end
     first = last + 1
-    if size < 4096 then size = size * 2 end
+    if size < 4096 then size = size * 4 end
   end
-  for j = 1, #media do
-    if counts[j] > 0 then
-      out[#out + 1] = wid
-      out[#out + 1] = media[j][2]
-      out[#out + 1] = counts[j]
+  if alive ~= 0 then ends[#ends + 1] = {alive, n} end
+  for _, e in ipairs(ends) do
+    local mask, matched = e[1], e[2]
+    if matched > 0 then
+      for b = 0, 31 do
+        if band(mask, lshift(1, b)) ~= 0 then
+          local wid = owner[p * 32 + b]
+          local rest = matched
+          for j = 2, nm do
+            local c = spread[j][b]
+            if c then
+              out[#out + 1] = wid
+              out[#out + 1] = media[j]
+              out[#out + 1] = c
+              rest = rest - c
+            end
+          end
+          if rest > 0 then
+            out[#out + 1] = wid
+            out[#out + 1] = media[1]
+            out[#out + 1] = rest
+          end
+        end
+      end
     end
   end
 end
 return out
 """
 
-_WRITE = """
-local reg, prefix, chunk = KEYS[1], ARGV[1], tonumber(ARGV[2])
-local function store(field, first, last)
+_WRITE = """local reg, prefix, chunk, budget = KEYS[1], ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local band, bor, bxor, lshift = bit.band, bit.bor, bit.bxor, bit.lshift
+local dying = prefix .. 'd'
+local function slot_of(wid, create)
+  local s = redis.call('HGET', reg, wid)
+  if s then return tonumber(s) end
+  if not create then return nil end
+  local used = {}
+  for _, v in ipairs(redis.call('HVALS', reg)) do used[tonumber(v)] = true end
+  for _, v in ipairs(redis.call('HKEYS', dying)) do used[tonumber(v)] = true end
+  local slot = 0
+  while used[slot] do slot = slot + 1 end
+  redis.call('HSET', reg, wid, slot)
+  return slot
+end
+local function names(slot, medium)
+  return prefix .. 'h:' .. medium .. '\\n' .. math.floor(slot / 32),
+         prefix .. 'l:' .. slot .. '\\n' .. medium,
+         prefix .. 'x:' .. slot .. '\\n' .. medium,
+         lshift(1, slot % 32)
+end
+local function write_masks(h, fields, cur)
+  local set, del = {}, {}
+  for _, f in ipairs(fields) do
+    local m = cur[f]
+    if m == 0 then del[#del + 1] = f else set[#set + 1] = f; set[#set + 1] = m end
+  end
+  if #set > 0 then redis.call('HSET', h, unpack(set)) end
+  if #del > 0 then redis.call('HDEL', h, unpack(del)) end
+end
+local function store(wid, medium, first, last)
   if last < first then return end
-  redis.call('HSET', reg, field, 1)
-  local set, extras = prefix .. 's:' .. field, prefix .. 'x:' .. field
+  local slot = slot_of(wid, true)
+  redis.call('SADD', prefix .. 'm', medium)
+  local h, log, extras, b = names(slot, medium)
   for a = first, last, chunk do
-    local b = math.min(a + chunk - 1, last)
-    local held = redis.call('SMISMEMBER', set, unpack(ARGV, a, b))
-    if redis.call('SADD', set, unpack(ARGV, a, b)) < b - a + 1 then
-      local seen = {}
-      for i = a, b do
-        local m = ARGV[i]
-        if held[i - a + 1] == 1 or seen[m] then
-          redis.call('HINCRBY', extras, m, 1)
-        else
-          seen[m] = true
-        end
+    local z = math.min(a + chunk - 1, last)
+    local had = redis.call('HMGET', h, unpack(ARGV, a, z))
+    local cur, new = {}, {}
+    for i = a, z do
+      local f = ARGV[i]
+      local m = cur[f]
+      if m == nil then m = tonumber(had[i - a + 1]) or 0 end
+      if band(m, b) == 0 then
+        cur[f] = bor(m, b)
+        new[#new + 1] = f
+      else
+        cur[f] = m
+        redis.call('HINCRBY', extras, f, 1)
       end
+    end
+    if #new > 0 then
+      redis.call('SADD', log, unpack(new))
+      write_masks(h, new, cur)
     end
   end
 end
-local function remove(field, first, last)
-  local set, extras = prefix .. 's:' .. field, prefix .. 'x:' .. field
+local function remove(wid, medium, first, last)
+  local slot = slot_of(wid, false)
+  if slot == nil then return end
+  local h, log, extras, b = names(slot, medium)
   for a = first, last, chunk do
-    local b = math.min(a + chunk - 1, last)
-    if redis.call('EXISTS', extras) == 0 then
-      redis.call('SREM', set, unpack(ARGV, a, b))
-    else
-      local had = redis.call('HMGET', extras, unpack(ARGV, a, b))
-      local left, before, gone = {}, {}, {}
-      for i = a, b do
-        local m = ARGV[i]
-        local c = left[m]
-        if c == nil then
-          c = tonumber(had[i - a + 1]) or 0
-          before[m] = c
-        end
-        if c > 0 then
-          left[m] = c - 1
-        else
-          left[m] = 0
-          gone[#gone + 1] = m
+    local z = math.min(a + chunk - 1, last)
+    local had = redis.call('HMGET', h, unpack(ARGV, a, z))
+    local copies = {}
+    local extra = redis.call('EXISTS', extras) == 1
+    if extra then copies = redis.call('HMGET', extras, unpack(ARGV, a, z)) end
+    local cur, gone, left, before = {}, {}, {}, {}
+    for i = a, z do
+      local f = ARGV[i]
+      local c = left[f]
+      if extra and c == nil then
+        c = tonumber(copies[i - a + 1]) or 0
+        before[f] = c
+      end
+      if c and c > 0 then
+        left[f] = c - 1
+      else
+        if extra then left[f] = 0 end
+        local m = cur[f]
+        if m == nil then m = tonumber(had[i - a + 1]) or 0 end
+        if band(m, b) ~= 0 then
+          cur[f] = bxor(m, b)
+          gone[#gone + 1] = f
         end
       end
-      for m, c in pairs(left) do
-        if c ~= before[m] then
-          if c > 0 then redis.call('HSET', extras, m, c) else redis.call('HDEL', extras, m) end
-        end
+    end
+    for f, c in pairs(left) do
+      if c ~= before[f] then
+        if c > 0 then redis.call('HSET', extras, f, c) else redis.call('HDEL', extras, f) end
       end
-      if #gone > 0 then redis.call('SREM', set, unpack(gone)) end
+    end
+    if #gone > 0 then
+      redis.call('SREM', log, unpack(gone))
+      write_masks(h, gone, cur)
     end
   end
 end
 local function clear(wid)
-  local suffix = '\\n' .. wid
-  for _, f in ipairs(redis.call('HKEYS', reg)) do
-    if string.sub(f, -#suffix) == suffix then
-      redis.call('UNLINK', prefix .. 's:' .. f, prefix .. 'x:' .. f)
-      redis.call('HDEL', reg, f)
-    end
+  local slot = slot_of(wid, false)
+  if slot == nil then return end
+  redis.call('HDEL', reg, wid)
+  redis.call('HSET', dying, slot, 1)
+  for _, medium in ipairs(redis.call('SMEMBERS', prefix .. 'm')) do
+    local _, _, extras = names(slot, medium)
+    redis.call('UNLINK', extras)
   end
 end
-local i = 3
+local function drain()
+  local left = budget
+  for _, s in ipairs(redis.call('HKEYS', dying)) do
+    local slot = tonumber(s)
+    local done = true
+    for _, medium in ipairs(redis.call('SMEMBERS', prefix .. 'm')) do
+      local h, log, _, b = names(slot, medium)
+      while left > 0 do
+        local keys = redis.call('SPOP', log, math.min(left, chunk))
+        if #keys == 0 then break end
+        left = left - #keys
+        local had = redis.call('HMGET', h, unpack(keys))
+        local cur = {}
+        for i, f in ipairs(keys) do cur[f] = band(tonumber(had[i]) or 0, bit.bnot(b)) end
+        write_masks(h, keys, cur)
+      end
+      if left == 0 and redis.call('EXISTS', log) == 1 then done = false end
+    end
+    if not done then return redis.call('HLEN', dying) end
+    redis.call('HDEL', dying, s)
+  end
+  return 0
+end
+local i = 4
 while i <= #ARGV do
-  local kind, name, n = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2])
-  local first, last = i + 3, i + 2 + n
-  if kind == 's' then store(name, first, last)
-  elseif kind == 'r' then remove(name, first, last)
-  else clear(name) end
+  local kind, wid, medium, n = ARGV[i], ARGV[i + 1], ARGV[i + 2], tonumber(ARGV[i + 3])
+  local first, last = i + 4, i + 3 + n
+  if kind == 's' then store(wid, medium, first, last)
+  elseif kind == 'r' then remove(wid, medium, first, last)
+  else clear(wid) end
   i = last + 1
 end
-return 0
+if redis.call('EXISTS', dying) == 0 then return 0 end
+return drain()
 """
 
 
@@ -210,7 +345,7 @@ def _worker_id(worker: Worker) -> str:
 
 
 def _members(keys: Sequence[int]) -> list[bytes]:
-    """Each key as the 8 big-endian bytes stored in the sets (one C-level pack, then slices)."""
+    """Each key as the 8 big-endian bytes used as hash fields and set members (one C-level pack, then slices)."""
     packed = struct.pack(f">{len(keys)}Q", *keys)
     return [packed[i : i + 8] for i in range(0, len(packed), 8)]
 
@@ -223,6 +358,13 @@ def _valid_prefix(keys: Sequence[int]) -> bytes:
             break
         out += k.to_bytes(8, "big")
     return bytes(out)
+
+
+def _medium(medium: str | None) -> str:
+    medium = medium or DEFAULT_MEDIUM
+    if "\n" in medium:
+        raise ValueError(f"medium {medium!r} must not contain a newline")
+    return medium
 
 
 class RedisIndex:
@@ -249,45 +391,41 @@ class RedisIndex:
     def _prefix(self, model: str) -> str:
         return f"{self._ns}:{{{model}}}:"
 
-    def _field(self, worker: Worker, medium: str | None) -> str:
-        medium = medium or DEFAULT_MEDIUM
-        if "\n" in medium:
-            raise ValueError(f"medium {medium!r} must not contain a newline")
-        return f"{medium}\n{_worker_id(worker)}"
-
-    def _write(self, model: str, ops: Sequence[tuple[str, str, Sequence[int]]]) -> None:
-        """Run ``ops`` -- (kind ``s``/``r``/``c``, field or worker id, keys) -- in one script call."""
+    def _write(self, model: str, ops: Sequence[tuple[str, str, str, Sequence[int]]]) -> None:
+        """Run ``ops`` -- (kind ``s``/``r``/``c``, worker id, medium, keys) -- in one script call, then finish any draining."""
         if model not in self._models_seen:
             self._redis.sadd(f"{self._ns}:models", model)
             self._models_seen.add(model)
         args: list[object] = []
-        for kind, name, keys in ops:
-            args += (kind, name, len(keys))
+        for kind, wid, medium, keys in ops:
+            args += (kind, wid, medium, len(keys))
             args += _members(keys)
-        if args:
-            prefix = self._prefix(model)
-            self._write_script(keys=[prefix + "reg"], args=[prefix, _CHUNK, *args])
+        prefix = self._prefix(model)
+        draining = self._write_script(keys=[prefix + "reg"], args=[prefix, _CHUNK, _DRAIN, *args])
+        while draining:
+            draining = self._write_script(keys=[prefix + "reg"], args=[prefix, _CHUNK, _DRAIN])
 
     def apply(self, model: str, worker: Worker, batch: EventBatch) -> None:
         ops = batch_ops(batch)
         if not ops:
             return
+        wid = _worker_id(worker)
         self._write(model, [
-            ("c", _worker_id(worker), ()) if op.kind == "clear"
-            else ("s" if op.kind == "store" else "r", self._field(worker, op.medium), op.keys)
+            ("c", wid, "", ()) if op.kind == "clear"
+            else ("s" if op.kind == "store" else "r", wid, _medium(op.medium), op.keys)
             for op in ops
         ])
 
     def store(self, model: str, worker: Worker, keys: Sequence[int], medium: str | None = DEFAULT_MEDIUM) -> None:
         validate_keys(keys)
-        self._write(model, [("s", self._field(worker, medium), keys)])
+        self._write(model, [("s", _worker_id(worker), _medium(medium), keys)])
 
     def remove(self, model: str, worker: Worker, keys: Sequence[int], medium: str | None = DEFAULT_MEDIUM) -> None:
         validate_keys(keys)
-        self._write(model, [("r", self._field(worker, medium), keys)])
+        self._write(model, [("r", _worker_id(worker), _medium(medium), keys)])
 
     def clear(self, model: str, worker: Worker) -> None:
-        self._write(model, [("c", _worker_id(worker), ())])
+        self._write(model, [("c", _worker_id(worker), "", ())])
 
     async def lookup(self, model: str, keys: Sequence[int]) -> Hits:
         if not keys:
@@ -309,18 +447,30 @@ class RedisIndex:
             hits.setdefault(Worker(backend, rank), {})[flat[i + 1].decode()] = int(flat[i + 2])
         return hits
 
+    def _layout(self, model: str) -> tuple[dict[bytes, int], list[int], list[str]]:
+        """``reg`` (worker id -> slot), the draining slots and the media of ``model``."""
+        prefix = self._prefix(model)
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.hgetall(prefix + "reg")
+        pipe.hkeys(prefix + "d")
+        pipe.smembers(prefix + "m")
+        reg, dying, media = pipe.execute()
+        return {w: int(s) for w, s in reg.items()}, [int(s) for s in dying], sorted(m.decode() for m in media)
+
     def block_counts(self, model: str) -> dict[Worker, int]:
         prefix = self._prefix(model)
-        fields = self._redis.hkeys(prefix + "reg")
+        reg, _, media = self._layout(model)
         pipe = self._redis.pipeline(transaction=False)
-        for f in fields:
-            pipe.scard(prefix.encode() + b"s:" + f)
+        for slot in reg.values():
+            for medium in media:
+                pipe.scard(f"{prefix}l:{slot}\n{medium}")
+        counts = iter(pipe.execute())
         out: dict[Worker, int] = {}
-        for f, n in zip(fields, pipe.execute()):
+        for wid in reg:
+            n = sum(next(counts) for _ in media)
             if n:
-                backend, rank = json.loads(f.split(b"\n", 1)[1])
-                w = Worker(backend, rank)
-                out[w] = out.get(w, 0) + n
+                backend, rank = json.loads(wid)
+                out[Worker(backend, rank)] = n
         return out
 
     def memory_bytes(self) -> int:
@@ -333,12 +483,15 @@ class RedisIndex:
         total = self._redis.memory_usage(models_key) or 0
         for model in self._redis.smembers(models_key):
             prefix = self._prefix(model.decode())
-            fields = self._redis.hkeys(prefix + "reg")
+            reg, dying, media = self._layout(model.decode())
+            slots = [*reg.values(), *dying]
+            names = [prefix + "reg", prefix + "d", prefix + "m"]
+            for medium in media:
+                names += (f"{prefix}h:{medium}\n{page}" for page in sorted({s // _PAGE for s in slots}))
+                names += (f"{prefix}{kind}:{slot}\n{medium}" for slot in slots for kind in ("l", "x"))
             pipe = self._redis.pipeline(transaction=False)
-            pipe.memory_usage(prefix + "reg")
-            for f in fields:
-                pipe.memory_usage(prefix.encode() + b"s:" + f)
-                pipe.memory_usage(prefix.encode() + b"x:" + f)
+            for name in names:
+                pipe.memory_usage(name)
             total += sum(n or 0 for n in pipe.execute())
         return total
 
