@@ -11,8 +11,15 @@ one model's keys share a slot and a script may touch all of them):
   big-endian bytes) -> bitmask of the page's slots holding it in that medium, as a
   decimal 32-bit signed int (Lua's ``bit`` library works on those), never 0: a key no
   slot holds is deleted.
-* ``l:<slot>\\n<medium>`` -- a set per (slot, medium): the keys whose mask has the
-  slot's bit. It is what ``clear`` walks (no SCAN) and ``SCARD`` is the block count.
+* ``l:<slot>\\n<medium>`` -- a list per (slot, medium), the log ``clear`` walks (no
+  SCAN): every key whose mask has the slot's bit, appended when the bit is set. Removes
+  leave their keys in it (a list entry costs ~10 bytes where a set member costs ~50);
+  a write that finds the log longer than twice the count plus :data:`_CHUNK` rotates one
+  chunk of it, dropping keys whose bit is clear (and repeats within the chunk), so the
+  log stays within a constant factor of what the slot holds. A log whose last key is
+  removed is deleted.
+* ``n`` -- a hash: ``<slot>\\n<medium>`` -> number of keys whose mask has the slot's bit
+  (``block_counts``).
 * ``x:<slot>\\n<medium>`` -- present only while the slot holds some key in more than one
   block: key -> copies beyond the first (always > 0, only for keys in the slot's log).
 * ``d`` -- a hash whose fields are slots being drained after a ``clear``.
@@ -20,16 +27,16 @@ one model's keys share a slot and a script may touch all of them):
 
 Why one hash of masks per medium rather than a set per worker: a lookup is one
 ``HMGET`` per medium for a chunk of the chain (growing chunks: 16, 64, 256, 1024, 4096
-keys, so a miss costs little) and a walk with Lua's ``bit`` library that serves every
-worker of a page at once and stops when the last one drops out; consecutive identical
-mask strings (the common case: a prefix shared by the same workers) skip even the bit
-operations. The cost is per matched block, not per (worker, matched block). The price
-is memory: the per-slot log sets duplicate what the masks say, so ``clear`` needs no
-SCAN and does bounded work.
+keys, so a miss costs little; the fields are cut from the packed keys by one
+``struct.unpack``, a library Redis and Valkey load for scripts) and a walk with Lua's ``bit`` library that serves every worker of a
+page at once and stops when the last one drops out; consecutive identical mask strings
+(the common case: a prefix shared by the same workers) skip even the bit operations.
+The cost is per matched block, not per (worker, matched block). Writes are a
+read-modify-write of the masks, which is why each is a script.
 
 ``clear`` is immediate for readers: it takes the worker out of ``reg`` (a lookup only
 looks at bits of slots in ``reg``), drops its extra copies, and marks its slot as
-draining in ``d``. The slot's bits are then cleared from its log sets in steps of at
+draining in ``d``. The slot's bits are then cleared from its logs in steps of at
 most :data:`_DRAIN` keys per script call (so one worker with millions of blocks never
 blocks Redis for long); a slot is reused only once drained. Every write call finishes
 with a step of draining when ``d`` is not empty, and :meth:`RedisIndex.clear` (or an
@@ -64,7 +71,7 @@ _CHUNK = 2048
 """Keys per command inside the write script: an ``HSET`` of pairs takes twice as many arguments, and Lua's ``unpack`` is bounded (8000 in Redis' Lua)."""
 
 _DRAIN = 10_000
-"""Most log keys one write call clears for draining slots, bounding its time (~10 ms)."""
+"""Most log keys one write call walks for draining slots, bounding how long it holds Redis (see the benchmark's clear time)."""
 
 _PAGE = 32
 """Slots per mask hash: Lua's ``bit`` library works on 32-bit ints."""
@@ -95,15 +102,15 @@ for i = 1, #reg, 2 do
   end
   pages[p] = bor(pages[p], lshift(1, slot % 32))
 end
-local chunks = {}
-local function chunk(first, last)
-  local c = chunks[first]
-  if not c then
-    c = {}
-    for i = first, last do c[#c + 1] = string.sub(blob, i * 8 - 7, i * 8) end
-    chunks[first] = c
+local formats = {}
+local function hmget(hash, first, last)
+  local k = last - first + 1
+  local f = formats[k]
+  if not f then
+    f = string.rep('c8', k)
+    formats[k] = f
   end
-  return c
+  return redis.call('HMGET', hash, struct.unpack(f, blob, first * 8 - 7))
 end
 local out = {}
 for _, p in ipairs(page_list) do
@@ -116,9 +123,8 @@ for _, p in ipairs(page_list) do
   local first, size = 1, 16
   while first <= n and alive ~= 0 do
     local last = math.min(first + size - 1, n)
-    local fields = chunk(first, last)
     if nm == 1 then
-      local masks = redis.call('HMGET', hashes[1], unpack(fields))
+      local masks = hmget(hashes[1], first, last)
       local same = nil
       for i = 1, last - first + 1 do
         local v = masks[i]
@@ -134,7 +140,7 @@ for _, p in ipairs(page_list) do
       end
     else
       local masks = {}
-      for j = 1, nm do masks[j] = redis.call('HMGET', hashes[j], unpack(fields)) end
+      for j = 1, nm do masks[j] = hmget(hashes[j], first, last) end
       for i = 1, last - first + 1 do
         local m = {}
         local held = 0
@@ -196,8 +202,8 @@ return out
 """
 
 _WRITE = """local reg, prefix, chunk, budget = KEYS[1], ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
-local band, bor, bxor, lshift = bit.band, bit.bor, bit.bxor, bit.lshift
-local dying = prefix .. 'd'
+local band, bor, bxor, bnot, lshift = bit.band, bit.bor, bit.bxor, bit.bnot, bit.lshift
+local dying, counts = prefix .. 'd', prefix .. 'n'
 local function slot_of(wid, create)
   local s = redis.call('HGET', reg, wid)
   if s then return tonumber(s) end
@@ -214,7 +220,8 @@ local function names(slot, medium)
   return prefix .. 'h:' .. medium .. '\\n' .. math.floor(slot / 32),
          prefix .. 'l:' .. slot .. '\\n' .. medium,
          prefix .. 'x:' .. slot .. '\\n' .. medium,
-         lshift(1, slot % 32)
+         lshift(1, slot % 32),
+         slot .. '\\n' .. medium
 end
 local function write_masks(h, fields, cur)
   local set, del = {}, {}
@@ -225,11 +232,40 @@ local function write_masks(h, fields, cur)
   if #set > 0 then redis.call('HSET', h, unpack(set)) end
   if #del > 0 then redis.call('HDEL', h, unpack(del)) end
 end
+local function unset(h, b, keys)
+  local had = redis.call('HMGET', h, unpack(keys))
+  local cur, changed = {}, {}
+  for i, f in ipairs(keys) do
+    local m = cur[f]
+    if m == nil then m = tonumber(had[i]) or 0 end
+    if band(m, b) ~= 0 then
+      cur[f] = bxor(m, b)
+      changed[#changed + 1] = f
+    else
+      cur[f] = m
+    end
+  end
+  write_masks(h, changed, cur)
+end
+local function compact(h, log, b, count)
+  if redis.call('LLEN', log) <= 2 * count + chunk then return end
+  local keys = redis.call('LPOP', log, chunk)
+  local had = redis.call('HMGET', h, unpack(keys))
+  local keep, seen = {}, {}
+  for i, f in ipairs(keys) do
+    if not seen[f] and band(tonumber(had[i]) or 0, b) ~= 0 then
+      seen[f] = true
+      keep[#keep + 1] = f
+    end
+  end
+  if #keep > 0 then redis.call('RPUSH', log, unpack(keep)) end
+end
 local function store(wid, medium, first, last)
   if last < first then return end
   local slot = slot_of(wid, true)
   redis.call('SADD', prefix .. 'm', medium)
-  local h, log, extras, b = names(slot, medium)
+  local h, log, extras, b, field = names(slot, medium)
+  local count = 0
   for a = first, last, chunk do
     local z = math.min(a + chunk - 1, last)
     local had = redis.call('HMGET', h, unpack(ARGV, a, z))
@@ -247,15 +283,18 @@ local function store(wid, medium, first, last)
       end
     end
     if #new > 0 then
-      redis.call('SADD', log, unpack(new))
+      redis.call('RPUSH', log, unpack(new))
       write_masks(h, new, cur)
+      count = redis.call('HINCRBY', counts, field, #new)
     end
   end
+  if count > 0 then compact(h, log, b, count) end
 end
 local function remove(wid, medium, first, last)
   local slot = slot_of(wid, false)
   if slot == nil then return end
-  local h, log, extras, b = names(slot, medium)
+  local h, log, extras, b, field = names(slot, medium)
+  local count = -1
   for a = first, last, chunk do
     local z = math.min(a + chunk - 1, last)
     local had = redis.call('HMGET', h, unpack(ARGV, a, z))
@@ -288,9 +327,15 @@ local function remove(wid, medium, first, last)
       end
     end
     if #gone > 0 then
-      redis.call('SREM', log, unpack(gone))
       write_masks(h, gone, cur)
+      count = redis.call('HINCRBY', counts, field, -#gone)
     end
+  end
+  if count == 0 then
+    redis.call('HDEL', counts, field)
+    redis.call('UNLINK', log)
+  elseif count > 0 then
+    compact(h, log, b, count)
   end
 end
 local function clear(wid)
@@ -299,8 +344,9 @@ local function clear(wid)
   redis.call('HDEL', reg, wid)
   redis.call('HSET', dying, slot, 1)
   for _, medium in ipairs(redis.call('SMEMBERS', prefix .. 'm')) do
-    local _, _, extras = names(slot, medium)
+    local _, _, extras, _, field = names(slot, medium)
     redis.call('UNLINK', extras)
+    redis.call('HDEL', counts, field)
   end
 end
 local function drain()
@@ -311,13 +357,10 @@ local function drain()
     for _, medium in ipairs(redis.call('SMEMBERS', prefix .. 'm')) do
       local h, log, _, b = names(slot, medium)
       while left > 0 do
-        local keys = redis.call('SPOP', log, math.min(left, chunk))
-        if #keys == 0 then break end
+        local keys = redis.call('LPOP', log, math.min(left, chunk))
+        if not keys then break end
         left = left - #keys
-        local had = redis.call('HMGET', h, unpack(keys))
-        local cur = {}
-        for i, f in ipairs(keys) do cur[f] = band(tonumber(had[i]) or 0, bit.bnot(b)) end
-        write_masks(h, keys, cur)
+        unset(h, b, keys)
       end
       if left == 0 and redis.call('EXISTS', log) == 1 then done = false end
     end
@@ -459,15 +502,17 @@ class RedisIndex:
 
     def block_counts(self, model: str) -> dict[Worker, int]:
         prefix = self._prefix(model)
-        reg, _, media = self._layout(model)
         pipe = self._redis.pipeline(transaction=False)
-        for slot in reg.values():
-            for medium in media:
-                pipe.scard(f"{prefix}l:{slot}\n{medium}")
-        counts = iter(pipe.execute())
+        pipe.hgetall(prefix + "reg")
+        pipe.hgetall(prefix + "n")
+        reg, counts = pipe.execute()
+        per_slot: dict[int, int] = {}
+        for field, n in counts.items():
+            slot = int(field.split(b"\n", 1)[0])
+            per_slot[slot] = per_slot.get(slot, 0) + int(n)
         out: dict[Worker, int] = {}
-        for wid in reg:
-            n = sum(next(counts) for _ in media)
+        for wid, slot in reg.items():
+            n = per_slot.get(int(slot), 0)
             if n:
                 backend, rank = json.loads(wid)
                 out[Worker(backend, rank)] = n
@@ -485,7 +530,7 @@ class RedisIndex:
             prefix = self._prefix(model.decode())
             reg, dying, media = self._layout(model.decode())
             slots = [*reg.values(), *dying]
-            names = [prefix + "reg", prefix + "d", prefix + "m"]
+            names = [prefix + "reg", prefix + "d", prefix + "m", prefix + "n"]
             for medium in media:
                 names += (f"{prefix}h:{medium}\n{page}" for page in sorted({s // _PAGE for s in slots}))
                 names += (f"{prefix}{kind}:{slot}\n{medium}" for slot in slots for kind in ("l", "x"))

@@ -92,7 +92,7 @@ def test_clear_removes_the_workers_keys_without_scanning_in_bounded_steps(index:
     assert made["evalsha"] == 3, "20,001 logged keys drained at most 10,000 per script call"
     left = sorted(k.decode() for k in server.keys(f"{ns}:*"))
     p = f"{ns}:{{{M}}}:"
-    assert left == [f"{ns}:models", f"{p}h:GPU\n0", f"{p}l:1\nGPU", f"{p}m", f"{p}reg"]
+    assert left == [f"{ns}:models", f"{p}h:GPU\n0", f"{p}l:1\nGPU", f"{p}m", f"{p}n", f"{p}reg"]
     assert lookup(index, [1, 2]) == {B: {"GPU": 2}}
 
 
@@ -247,7 +247,7 @@ def test_a_drain_left_unfinished_is_invisible_and_resumed_by_the_next_write(inde
     index.store(M, B, list(range(1, 4)))
     index._write_script(keys=[p + "reg"], args=[p, 2048, 10, "c", '["a",0]', "", 0])
     assert server.hkeys(p + "d") == [b"0"]
-    assert server.scard(p + "l:0\nGPU") == 90
+    assert server.llen(p + "l:0\nGPU") == 90
     assert lookup(index, list(range(1, 101))) == {B: {"GPU": 3}}
     index.store(M, A, [1])
     assert server.hget(p + "reg", '["a",0]') == b"2", "a draining slot is not reused"
@@ -286,3 +286,28 @@ def test_random_operations_over_two_mask_pages_agree_with_the_reference(index: R
         if held:
             expected[w] = expected.get(w, 0) + len(held)
     assert index.block_counts(M) == expected
+
+
+def test_churn_keeps_the_clear_logs_bounded(index: RedisIndex, server: redis.Redis, ns: str) -> None:
+    """Removes leave their keys in the worker's log; writes rotate the log a chunk at a time to drop them."""
+    p = f"{ns}:{{{M}}}:"
+    rng = random.Random(1)
+    for _ in range(60):
+        keys = [rng.getrandbits(64) for _ in range(1000)]
+        index.store(M, A, keys)
+        index.remove(M, A, keys[:990])
+    assert index.block_counts(M) == {A: 600}
+    assert server.llen(p + "l:0\nGPU") <= 2 * 600 + 2 * 2048
+    index.clear(M, A)
+    assert index.block_counts(M) == {}
+    assert not server.exists(p + "h:GPU\n0") and not server.exists(p + "l:0\nGPU")
+
+
+def test_a_log_whose_keys_are_all_removed_goes_with_them(index: RedisIndex, server: redis.Redis, ns: str) -> None:
+    p = f"{ns}:{{{M}}}:"
+    index.store(M, A, [1, 2, 3])
+    index.store(M, A, [1, 2])
+    index.remove(M, A, [1, 2, 3])
+    assert server.llen(p + "l:0\nGPU") == 3
+    index.remove(M, A, [1, 2])
+    assert sorted(k.decode() for k in server.keys(f"{ns}:*")) == [f"{ns}:models", f"{p}m", f"{p}reg"]
