@@ -36,6 +36,7 @@ from indexer.index import Index, MemoryIndex, Worker
 from router import metrics
 from router.backends import BackendPool
 from router.config import Config, Model
+from router.hash_cache import HashCache
 from router.errors import (
     BadRequest,
     BodyTooLarge,
@@ -74,6 +75,7 @@ class ModelRuntime:
 
     config: Model
     hasher: BlockHasher
+    hash_cache: HashCache
     policy: Policy
     guard: ParityGuard
     remote: RemoteTokenizer
@@ -112,9 +114,11 @@ class Router:
         self.served: dict[str, tuple[ModelRuntime, dict[str, Any] | None]] = {}
         for m in config.models:
             w = self.settings.weights
+            hasher = BlockHasher(m.hash_algo, m.block_size, m.hash_seed, m.vllm_version)
             rt = ModelRuntime(
                 config=m,
-                hasher=BlockHasher(m.hash_algo, m.block_size, m.hash_seed, m.vllm_version),
+                hasher=hasher,
+                hash_cache=HashCache(hasher),
                 policy=make_policy(m.policy or self.settings.policy, config),
                 guard=ParityGuard(m.name, m.tokenizer_mode, m.parity_sample_rate),
                 remote=RemoteTokenizer(m.name),
@@ -312,7 +316,7 @@ class Router:
             metrics.child(metrics.TOKENIZER_FALLBACKS, rt.config.name, "local_error").inc()
             prompts = await self._remote_prompts(rt, body, kind)
             first = prompts[0] if prompts else []
-            return first, [len(p) for p in prompts], rt.hasher.hash_blocks_int64(first, lora=lora, cache_salt=salt)
+            return first, [len(p) for p in prompts], rt.hash_cache.hash_int64(first, lora=lora, cache_salt=salt)
         if rt.guard.should_check():
             self._spawn(self._parity_check(rt, body, kind, first))
         return first, lengths, keys
@@ -343,7 +347,7 @@ class Router:
         except TokenizeError as e:
             raise BadRequest(str(e)) from e
         t1 = time.perf_counter()
-        keys = rt.hasher.hash_blocks_int64(first, lora=lora, cache_salt=salt)
+        keys = rt.hash_cache.hash_int64(first, lora=lora, cache_salt=salt)
         name = rt.config.name
         metrics.child(metrics.TOKENIZE_SECONDS, name).observe(t1 - t0)
         metrics.child(metrics.HASH_SECONDS, name).observe(time.perf_counter() - t1)
@@ -352,7 +356,7 @@ class Router:
     @staticmethod
     def _hash(rt: ModelRuntime, ids: list[int], lora: dict[str, Any] | None, salt: str | None) -> list[int]:
         t0 = time.perf_counter()
-        keys = rt.hasher.hash_blocks_int64(ids, lora=lora, cache_salt=salt)
+        keys = rt.hash_cache.hash_int64(ids, lora=lora, cache_salt=salt)
         metrics.child(metrics.HASH_SECONDS, rt.config.name).observe(time.perf_counter() - t0)
         return keys
 

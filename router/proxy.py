@@ -245,6 +245,18 @@ class ProxyResponse(Response):
                 err = UpstreamError(f"backend {name} failed: {e!r}")
                 err.backend = name  # type: ignore[attr-defined]
                 raise err from e
+            except asyncio.CancelledError:
+                ticket.release()
+                if not self._backend_down:
+                    raise
+                # The backend was found dead while we waited for its first byte: try another.
+                _uncancel()
+                self._backend_down = False
+                metrics.child(metrics.UPSTREAM_FAILURES, name, "backend_down").inc()
+                metrics.child(metrics.RETRIES, name, "backend_down").inc()
+                last = UpstreamError(f"backend {name} went down before answering")
+                last.backend = name  # type: ignore[attr-defined]
+                continue
             except BaseException:
                 ticket.release()
                 raise

@@ -2,6 +2,11 @@
 
 uvicorn with uvloop and httptools (the fastest event loop and HTTP parser it offers),
 one process; access logs are off because they cost more than routing a short request.
+
+The GIL switch interval is lowered from 5 ms to 0.5 ms: the KV-event subscriber and the
+tokenizer pool are CPU-bound threads, and with the default interval the event loop can
+wait up to 5 ms for the GIL after each of its awaits, which shows up directly as
+routing latency. The cost is a little more switching on the background threads.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from typing import get_args
 import uvicorn
 
 from router.config import ConfigError, PolicyName, load_config
+
+SWITCH_INTERVAL_S = 0.0005
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -41,6 +48,8 @@ def run(args: argparse.Namespace) -> int:
         for m in config.models:
             m.policy = None
     from router.app import create_app
+
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
 
     try:
         app = create_app(config)

@@ -262,3 +262,20 @@ vllm:time_to_first_token_seconds_bucket{le="0.1",model_name="m"} 1.0
         "vllm:num_requests_waiting": 4.0,
         "vllm:kv_cache_usage_perc": 0.375,
     }
+
+
+def test_a_data_parallel_backend_counts_its_best_rank() -> None:
+    from indexer.index import Worker
+    from router.app import Router
+    from router.config import parse_config
+
+    cfg = parse_config({"models": [{"name": "m", "tokenizer": "unused", "backends": [
+        {"name": "dp", "url": "http://127.0.0.1:9", "data_parallel_size": 2},
+        {"name": "solo", "url": "http://127.0.0.1:10"},
+    ]}]})
+    router = Router(cfg)
+    rt = router.models["m"]
+    cands = router._candidates(rt, {Worker("dp", 0): {"GPU": 3}, Worker("dp", 1): {"GPU": 5, "CPU": 2}, Worker("solo", 0): {"CPU": 4}})
+    dp, solo = cands
+    assert (dp.matched_blocks, dp.weighted_blocks, dp.best_rank) == (7, 6.0, 1)
+    assert (solo.matched_blocks, solo.weighted_blocks) == (4, 2.0)

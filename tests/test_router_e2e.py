@@ -486,3 +486,59 @@ def test_load_returns_to_zero_after_chaos(fleet: dict[str, Any], router_url: str
     # sees its client leave; every abandoned stream is one or the other.
     ended = total("kvrouter_client_disconnects_total{") + total('kvrouter_upstream_failures_total{backend="sim-2",kind="backend_down"}')
     assert ended >= left, "clients that left mid-stream were not seen as disconnects"
+
+
+# -- tokenizer modes, backend failure handling ---------------------------------------------
+
+
+def test_remote_tokenizer_mode_routes_on_the_engines_token_ids(fleet: dict[str, Any], router_url: str) -> None:
+    cfg = fleet_config(fleet)
+    cfg["models"][0]["tokenizer_mode"] = "remote"
+    body = {"model": MODEL, "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": unique_text(40)}]}
+    local = httpx.post(router_url + "/debug/route?include_tokens=true", json=body, headers=headers()).json()["token_ids"]
+    with InProcessRouter(cfg) as r:
+        remote = httpx.post(r.url + "/debug/route?include_tokens=true", json=body).json()
+        assert remote["token_ids"] == local
+        reply = client(r.url, key="unused").chat.completions.create(model=MODEL, messages=body["messages"], max_tokens=2)
+        assert reply.usage.prompt_tokens == len(local)
+
+
+def test_a_dead_backend_is_retried_ejected_and_readmitted(fleet: dict[str, Any]) -> None:
+    with InProcessRouter(fleet_config(fleet, policy="round_robin", health_interval_s=1.0)) as r:
+        fault(fleet, 3, down_s=4.0)
+        time.sleep(0.2)
+        reasons = []
+        for i in range(8):
+            resp = httpx.post(r.url + "/v1/completions", json={"model": MODEL, "prompt": f"retry {i}", "max_tokens": 2}, timeout=30)
+            assert resp.status_code == 200, resp.text
+            assert resp.headers["x-kvrouter-backend"] != "sim-3"
+            reasons.append(resp.headers["x-kvrouter-reason"])
+        states = {b["name"]: b for b in httpx.get(r.url + "/debug/backends").json()["backends"]}
+        assert states["sim-3"]["healthy"] is False and states["sim-3"]["ejections"] >= 1
+        deadline = time.monotonic() + 20
+        while not httpx.get(r.url + "/debug/backends").json()["backends"][3]["healthy"]:
+            assert time.monotonic() < deadline, "sim-3 was not re-admitted after it came back"
+            time.sleep(0.3)
+        seen = {httpx.post(r.url + "/v1/completions", json={"model": MODEL, "prompt": f"back {i}", "max_tokens": 1}).headers["x-kvrouter-backend"] for i in range(8)}
+        assert "sim-3" in seen
+        wait_idle(r.url)
+
+
+def test_circuit_breaker_opens_on_repeated_5xx_and_closes_after_cooldown(fleet: dict[str, Any]) -> None:
+    cfg = fleet_config(fleet, policy="round_robin", breaker_failures=3, breaker_cooldown_s=1.0)
+    with InProcessRouter(cfg) as r:
+        fault(fleet, 1, error_rate=1.0)
+        try:
+            statuses = Counter(
+                httpx.post(r.url + "/v1/completions", json={"model": MODEL, "prompt": f"cb {i}", "max_tokens": 1}).status_code
+                for i in range(24)
+            )
+            states = {b["name"]: b for b in httpx.get(r.url + "/debug/backends").json()["backends"]}
+            assert states["sim-1"]["circuit_open"] is True and states["sim-1"]["healthy"] is False
+            assert statuses[500] <= 4, statuses  # the breaker stopped sending to sim-1 after 3 failures
+        finally:
+            fault(fleet, 1, error_rate=0.0)
+        time.sleep(1.2)
+        seen = {httpx.post(r.url + "/v1/completions", json={"model": MODEL, "prompt": f"ok {i}", "max_tokens": 1}).headers["x-kvrouter-backend"] for i in range(8)}
+        assert "sim-1" in seen
+        wait_idle(r.url)

@@ -1,0 +1,46 @@
+"""The prefix hash cache gives exactly vLLM's block hashes (compared to BlockHasher)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from indexer.hashing import BlockHasher
+from router.hash_cache import HashCache
+
+LORA = {"name": "sql-adapter", "path": "/adapters/sql", "int_id": 7}
+
+
+@pytest.mark.parametrize("algo", ["sha256", "sha256_cbor", "xxhash"])
+def test_cached_hashes_equal_the_hasher_on_growing_conversations(algo: str) -> None:
+    hasher = BlockHasher(algo, 16, "0", "0.33.0")
+    cache = HashCache(hasher)
+    rng = random.Random(5)
+    history = [rng.randrange(151_000) for _ in range(300)]
+    for turn in range(6):
+        history += [rng.randrange(151_000) for _ in range(rng.randrange(1, 70))]
+        for kwargs in ({}, {"lora": LORA}, {"cache_salt": "tenant-1"}, {"lora": LORA, "cache_salt": "t"}):
+            assert cache.hash_int64(list(history), **kwargs) == hasher.hash_blocks_int64(history, **kwargs), (turn, kwargs)
+    assert cache.hits > 0
+
+
+def test_salt_and_adapter_never_share_cached_prefixes() -> None:
+    hasher = BlockHasher("sha256", 16, "0", "0.33.0")
+    cache = HashCache(hasher)
+    ids = list(range(64))
+    plain = cache.hash_int64(ids)
+    assert cache.hash_int64(ids, cache_salt="a") == hasher.hash_blocks_int64(ids, cache_salt="a") != plain
+    assert cache.hash_int64(ids, lora=LORA) == hasher.hash_blocks_int64(ids, lora=LORA) != plain
+    other_path = {**LORA, "path": "/adapters/other"}
+    assert cache.hash_int64(ids, lora=other_path) == hasher.hash_blocks_int64(ids, lora=other_path)
+
+
+def test_cache_is_bounded_and_short_prompts_hash_to_nothing() -> None:
+    hasher = BlockHasher("sha256", 16, "0", "0.33.0")
+    cache = HashCache(hasher, max_blocks=10)
+    for start in range(0, 4000, 400):
+        ids = list(range(start, start + 320))
+        assert cache.hash_int64(ids) == hasher.hash_blocks_int64(ids)
+    assert len(cache) <= 10
+    assert cache.hash_int64([1, 2, 3]) == []
