@@ -11,6 +11,8 @@ Measured, medians over ``--reps`` runs:
 * ingest: stored blocks per second through ``apply``, then removed blocks per second;
 * lookup: µs per ``await index.lookup`` for 64/512/8192-block chains, *hit* (the chain
   above: all workers match min(n, 1024), worker 0 matches n) and *miss* (unknown keys);
+  for Redis also the script's own µs inside Redis (``INFO commandstats``) and the
+  asyncio PING round trip, the client's floor on this machine;
 * memory: bytes per indexed (block, worker), measured with tracemalloc for the Python
   indexes and as the growth of Redis' ``used_memory`` for Redis (the index's own
   ``memory_bytes()`` figure is printed beside it);
@@ -37,6 +39,7 @@ import tracemalloc
 from collections.abc import Callable, Sequence
 
 import redis
+import redis.asyncio as aredis
 
 from indexer.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, to_keys
 from indexer.index import DEFAULT_MEDIUM, Hits, MemoryIndex, Worker
@@ -152,15 +155,44 @@ def ingest(index: object, work: list[tuple[Worker, EventBatch]]) -> float:
     return time.perf_counter() - t0
 
 
-def lookup_us(index: object, keys: list[int], reps: int) -> float:
-    async def go() -> float:
+def lookup_us(index: object, keys: list[int], reps: int, server: redis.Redis | None = None) -> tuple[float, float]:
+    """Median µs per ``await index.lookup`` and, for Redis (``server`` given), µs per lookup script inside Redis.
+
+    The second figure comes from ``INFO commandstats`` (``usec_per_call`` of EVALSHA):
+    it separates the script's own cost from the client's round trip.
+    """
+
+    async def go() -> tuple[float, float]:
+        await index.lookup(MODEL, keys)  # type: ignore[attr-defined]
+        if server is not None:
+            server.config_resetstat()
         times = []
         for _ in range(reps):
             t0 = time.perf_counter_ns()
             await index.lookup(MODEL, keys)  # type: ignore[attr-defined]
             times.append((time.perf_counter_ns() - t0) / 1000)
+        inside = 0.0
+        if server is not None:
+            inside = server.info("commandstats")["cmdstat_evalsha"]["usec_per_call"]
         if isinstance(index, RedisIndex):
             await index.aclose()
+        return statistics.median(times), inside
+
+    return asyncio.run(go())
+
+
+def ping_us(url: str, reps: int = 301) -> float:
+    """Median µs of an asyncio redis-py PING: the round trip no lookup can beat on this machine."""
+
+    async def go() -> float:
+        client = aredis.Redis.from_url(url)
+        await client.ping()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter_ns()
+            await client.ping()
+            times.append((time.perf_counter_ns() - t0) / 1000)
+        await client.aclose()
         return statistics.median(times)
 
     return asyncio.run(go())
@@ -257,10 +289,13 @@ def main() -> None:
                     if name == "redis":
                         r["bytes"] = (server.info("memory")["used_memory"] - mem0) / entries
                         r["own_bytes"] = index.memory_bytes() / entries  # type: ignore[attr-defined]
+                    stats = server if name == "redis" else None
                     for n in (64, 512, CHAIN):
                         reps = 301 if n <= 512 else 31
-                        r[f"hit{n}"] = lookup_us(index, chain[:n], reps)
-                        r[f"miss{n}"] = lookup_us(index, miss[:n], reps)
+                        r[f"hit{n}"], r[f"hit{n}_in"] = lookup_us(index, chain[:n], reps, stats)
+                        r[f"miss{n}"], r[f"miss{n}_in"] = lookup_us(index, miss[:n], reps, stats)
+                    if name == "redis":
+                        r["ping"] = ping_us(url)
                     got = asyncio.run(_check(index, chain[:512]))
                     assert len(got) == args.workers and all(v == {"GPU": 512} for v in got.values()), got
                 remove_s.append(ingest(index, removes))
@@ -305,6 +340,11 @@ def report(results: dict[str, dict[str, float]]) -> None:
     for n in (64, 512, CHAIN):
         rows.append((f"lookup {n} hit (µs)", f"hit{n}", lambda v: f"{v:,.1f}", False))
         rows.append((f"lookup {n} miss (µs)", f"miss{n}", lambda v: f"{v:,.1f}", False))
+    if "redis" in results:
+        for n in (64, 512, CHAIN):
+            rows.append((f"  redis: lookup {n} hit inside Redis (µs)", f"hit{n}_in", lambda v: f"{v:,.1f}", False))
+            rows.append((f"  redis: lookup {n} miss inside Redis (µs)", f"miss{n}_in", lambda v: f"{v:,.1f}", False))
+        rows.append(("  redis: asyncio PING round trip (µs)", "ping", lambda v: f"{v:,.1f}", False))
     rows += [
         ("bytes per (block, worker), measured", "bytes", lambda v: f"{v:,.1f}", False),
         ("bytes per (block, worker), memory_bytes()", "own_bytes", lambda v: f"{v:,.1f}" if v else "-", False),
@@ -313,7 +353,7 @@ def report(results: dict[str, dict[str, float]]) -> None:
     head = f"{'':44}" + "".join(f"{n:>14}" for n in names) + "".join(f"{'vs naive ' + n:>18}" for n in names[1:])
     print(head)
     for label, key, fmt, higher_better in rows:
-        line = f"{label:44}" + "".join(f"{fmt(results[n][key]):>14}" for n in names)
+        line = f"{label:44}" + "".join(f"{fmt(results[n][key]) if results[n].get(key) else '-':>14}" for n in names)
         for n in names[1:]:
             base, v = naive.get(key, 0), results[n].get(key, 0)
             ratio = (v / base if higher_better else base / v) if base and v else 0

@@ -31,8 +31,12 @@ keys, so a miss costs little; the fields are cut from the packed keys by one
 ``struct.unpack``, a library Redis and Valkey load for scripts) and a walk with Lua's ``bit`` library that serves every worker of a
 page at once and stops when the last one drops out; consecutive identical mask strings
 (the common case: a prefix shared by the same workers) skip even the bit operations.
-The cost is per matched block, not per (worker, matched block). Writes are a
-read-modify-write of the masks, which is why each is a script.
+The cost is per matched block, not per (worker, matched block); what is left is mostly
+Redis' own hash lookups. Writes are a read-modify-write of the masks, which is why each
+is a script. Memory: a mask entry (~60 bytes) per distinct (block, medium, page) plus a
+log entry (~10 bytes) per (block, worker), so a block held by several workers costs
+little more than one held by a single worker (``benchmarks/bench_index.py``, where most
+blocks have one holder, measures ~76 bytes per (block, worker)).
 
 ``clear`` is immediate for readers: it takes the worker out of ``reg`` (a lookup only
 looks at bits of slots in ``reg``), drops its extra copies, and marks its slot as
@@ -70,7 +74,7 @@ __all__ = ["RedisIndex"]
 _CHUNK = 2048
 """Keys per command inside the write script: an ``HSET`` of pairs takes twice as many arguments, and Lua's ``unpack`` is bounded (8000 in Redis' Lua)."""
 
-_DRAIN = 10_000
+_DRAIN = 4096
 """Most log keys one write call walks for draining slots, bounding how long it holds Redis (see the benchmark's clear time)."""
 
 _PAGE = 32
