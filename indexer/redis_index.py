@@ -107,6 +107,8 @@ for i = 1, #reg, 2 do
   pages[p] = bor(pages[p], lshift(1, slot % 32))
 end
 local formats = {}
+-- struct.unpack also returns the position after the last field: HMGET gets it as one
+-- more field, which is never a key (a number of at most 6 digits, keys are 8 bytes).
 local function hmget(hash, first, last)
   local k = last - first + 1
   local f = formats[k]
