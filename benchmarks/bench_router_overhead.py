@@ -13,7 +13,10 @@ Backends are simulated vLLM engines (``kvrouter sim``, 2 instances) run with a l
 prompts of 1k / 4k / 32k tokens never seen before, and a warm 10-turn chat whose ~8k-
 token history the router has seen, plus ~200 new tokens; each non-streamed (total
 latency) and streamed (time to first token), with 1 and 32 concurrent clients.
-Overhead = a target's percentile minus direct's at the same percentile.
+Overhead = a target's percentile minus direct's at the same percentile. kvrouter also
+reports its own server-side timing (request received -> upstream request sent, and the
+tokenize / hash parts of it) from its histograms, which network and client noise on a
+shared machine do not reach.
 
 Max req/s: short chat requests from many keep-alive connections for a few seconds
 against a *null engine* (below), so that neither the engine nor the client limits the
@@ -156,6 +159,22 @@ async def latencies(base: str, bodies: list[dict[str, Any]], stream: bool, concu
                 return await timed(http, "/v1/chat/completions", b, stream)
 
         return list(await asyncio.gather(*(one(b) for b in bodies)))
+
+
+def router_side(url: str) -> dict[str, float]:
+    """Sums and counts of kvrouter's own timing histograms (server-side, no network)."""
+    out: dict[str, float] = {}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        for name in ("kvrouter_overhead_seconds", "kvrouter_tokenize_seconds", "kvrouter_hash_seconds"):
+            for part in ("_sum", "_count"):
+                if line.startswith(name + part + "{"):
+                    out[name + part] = out.get(name + part, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def mean_ms(before: dict[str, float], after: dict[str, float], name: str) -> float:
+    n = after.get(name + "_count", 0.0) - before.get(name + "_count", 0.0)
+    return (after.get(name + "_sum", 0.0) - before.get(name + "_sum", 0.0)) / n * 1e3 if n else float("nan")
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -306,14 +325,21 @@ def main() -> None:
                     for ti, (target, url) in enumerate(targets.items()):
                         # every target gets fresh prompts of the same size (cold stays cold)
                         chunk = [dict(b) for b in bodies[:n]] if prime is not None else cold_bodies(texts, int(case.split()[1][:-1]) * 1000, n)
+                        before = router_side(url) if target == "kvrouter" else {}
                         lat = asyncio.run(latencies(url, chunk, stream, conc))
+                        after = router_side(url) if target == "kvrouter" else {}
                         p50, p99 = pct(lat, 0.5) * 1e3, pct(lat, 0.99) * 1e3
                         if target == "direct":
                             base = {"p50": p50, "p99": p99}
                         row = {"case": case, "stream": stream, "concurrency": conc, "target": target, "p50_ms": p50, "p99_ms": p99,
                                "overhead_p50_ms": p50 - base["p50"], "overhead_p99_ms": p99 - base["p99"], "n": n}
+                        if target == "kvrouter":
+                            row.update({f"router_{k}_mean_ms": mean_ms(before, after, f"kvrouter_{k}_seconds") for k in ("overhead", "tokenize", "hash")})
                         results["latency"].append(row)
                         ovh = "" if target == "direct" else f"{row['overhead_p50_ms']:8.2f} {row['overhead_p99_ms']:8.2f}"
+                        if target == "kvrouter":
+                            ovh += (f"   (in-router mean: total {row['router_overhead_mean_ms']:.2f}, tokenize "
+                                    f"{row['router_tokenize_mean_ms']:.2f}, hash {row['router_hash_mean_ms']:.2f})")
                         print(f"{case:22} {'stream' if stream else 'whole':7} {conc:4d} {target:16} {p50:8.2f} {p99:8.2f} {ovh}", flush=True)
 
         # Max req/s on short requests, against the null engine.

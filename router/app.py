@@ -97,7 +97,6 @@ class Prepared:
     ctx: RequestCtx
     candidates: list[Candidate]
     decision: Decision
-    forced_reason: str | None
 
 
 class Router:
@@ -294,7 +293,7 @@ class Router:
         if forced_reason is not None:
             decision.reason = forced_reason
         decision.detail["prepare_s"] = time.perf_counter() - started
-        return Prepared(rt, token_ids, ctx, candidates, decision, forced_reason)
+        return Prepared(rt, token_ids, ctx, candidates, decision)
 
     async def _tokens_and_keys(
         self, rt: ModelRuntime, body: dict[str, Any], kind: str, raw_len: int, lora: dict[str, Any] | None
@@ -687,6 +686,7 @@ def create_app(config: Config, index: Index | None = None) -> FastAPI:
             "num_blocks": len(ctx.keys),
             "order": decision.order,
             "events_connected": ctx.events_connected,
+            "detail": decision.detail,
             "candidates": [
                 {
                     "backend": c.backend,
