@@ -108,7 +108,9 @@ class Router:
         self.pool = BackendPool(config)
         self.loads = LoadTracker(list(self.pool.backends))
         self.index: Index = index if index is not None else _make_index(config.index)
-        self.executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tokenize")
+        # Two workers: tokenization holds the GIL for its Python part (template rendering), so
+        # more threads would only contend with the event loop for it.
+        self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
         self.models: dict[str, ModelRuntime] = {}
         self.served: dict[str, tuple[ModelRuntime, dict[str, Any] | None]] = {}
         for m in config.models:

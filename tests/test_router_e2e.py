@@ -542,3 +542,20 @@ def test_circuit_breaker_opens_on_repeated_5xx_and_closes_after_cooldown(fleet: 
         seen = {httpx.post(r.url + "/v1/completions", json={"model": MODEL, "prompt": f"ok {i}", "max_tokens": 1}).headers["x-kvrouter-backend"] for i in range(8)}
         assert "sim-1" in seen
         wait_idle(r.url)
+
+
+def test_redis_index_serves_cache_hits(fleet: dict[str, Any], redis_url: str) -> None:
+    cfg = fleet_config(fleet, subscribe_events=True)
+    cfg["index"] = redis_url
+    with InProcessRouter(cfg) as r:
+        text = unique_text(300)
+        backend = httpx.post(r.url + "/v1/completions", json={"model": MODEL, "prompt": text, "max_tokens": 1}).headers["x-kvrouter-backend"]
+        deadline = time.monotonic() + 15
+        while True:
+            d = httpx.post(r.url + "/debug/route", json={"model": MODEL, "prompt": text + " again"}).json()
+            mine = next(c for c in d["candidates"] if c["backend"] == backend)
+            if mine["matched_blocks"] >= d["num_tokens"] // 16 - 1:
+                break
+            assert time.monotonic() < deadline, d
+            time.sleep(0.2)
+        assert d["backend"] == backend and d["reason"] == "cache_hit"
