@@ -60,7 +60,7 @@ def test_least_loaded_picks_fewest_in_flight_tokens() -> None:
     cands = fleet(3)
     cands[0].load.prefill_tokens = 500
     cands[1].load.prefill_tokens = 10
-    cands[2].load.block_refs = {k: 1 for k in range(20)}  # 320 tokens of running KV
+    cands[2].load.own_blocks = 20  # 320 tokens of running KV
     assert LeastLoaded().choose(ctx(), cands).backend == "b1"
 
 
@@ -132,7 +132,7 @@ def test_kv_aware_cost_matches_the_documented_formula() -> None:
     cands = fleet(2)
     cands[0].matched_blocks, cands[0].weighted_blocks = 4, 3.0  # 2 GPU + 2 CPU at 0.5
     cands[0].load.prefill_tokens = 32
-    cands[0].load.block_refs = {k: 1 for k in range(10)}
+    cands[0].load.own_blocks = 10
     kv(prefill=2.0, decode=0.5).choose(ctx(n, keys=[1, 2, 3, 4, 5, 6]), cands)
     hit = 3.0
     expected0 = 2.0 * ((n - hit * BS) + 32) / BS + 0.5 * (10 + 7 - 4)
@@ -231,11 +231,11 @@ def test_softmax_temperature_samples_near_equal_backends() -> None:
 
 def test_ticket_release_is_idempotent_and_returns_load_to_zero() -> None:
     tracker = LoadTracker(["a"])
-    shared = [1, 2, 3]
-    t1 = tracker.acquire("a", shared + [4], 100)
-    t2 = tracker.acquire("a", shared + [5], 50)
+    shared = list(range(1, 33))  # two full groups of 16 blocks, held once
+    t1 = tracker.acquire("a", shared + [100], 100)
+    t2 = tracker.acquire("a", shared + [200, 201], 50)
     load = tracker.get("a")
-    assert (load.in_flight, load.prefill_tokens, load.active_blocks) == (2, 150, 5)
+    assert (load.in_flight, load.prefill_tokens, load.active_blocks) == (2, 150, 32 + 1 + 2)
     t1.first_token()
     assert (load.prefill_tokens, load.decode_seqs) == (50, 1)
     t1.release()
@@ -279,3 +279,18 @@ def test_a_data_parallel_backend_counts_its_best_rank() -> None:
     dp, solo = cands
     assert (dp.matched_blocks, dp.weighted_blocks, dp.best_rank) == (7, 6.0, 1)
     assert (solo.matched_blocks, solo.weighted_blocks) == (4, 2.0)
+
+
+def test_approx_index_binary_search_equals_the_walk() -> None:
+    rng = random.Random(11)
+    now = [0.0]
+    idx = ApproxPrefixIndex(ttl_s=5.0, max_blocks=400, clock=lambda: now[0])
+    chains = [[rng.randrange(1 << 62) for _ in range(rng.randrange(1, 60))] for _ in range(30)]
+    for step in range(400):
+        base = rng.choice(chains)
+        keys = base[: rng.randrange(1, len(base) + 1)]
+        if rng.random() < 0.5:
+            idx.insert(keys, rng.choice("abcd"))
+        now[0] += rng.random() * 0.2
+        probe = rng.choice(chains)
+        assert idx.match(probe) == idx.match_reference(probe), step

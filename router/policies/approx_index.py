@@ -10,8 +10,14 @@ dict of keys *is* a prefix tree: a key present means the whole prefix up to it w
 sent there. Leading matches are found by walking the request's keys until no
 backend continues.
 
-Invariant: entries are kept in expiry order (every insert uses the same TTL and
-moves the key to the end), so expiry and the size bound only ever pop from the front.
+Invariants:
+
+- entries are kept in expiry order (every insert uses the same TTL and moves its keys
+  to the end), so expiry and the size bound only ever pop from the front;
+- a request's keys are inserted tail first, so a chain's head is always at least as
+  fresh as its tail: eviction drops tails before heads (as vLLM's free queue does), and
+  for any backend "key i is held" is true for a prefix of the request's keys. ``match``
+  therefore binary-searches each backend's run length instead of walking every key.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ class ApproxPrefixIndex:
         now = self._clock()
         expiry = now + self.ttl_s
         entries = self._entries
-        for k in keys:
+        for k in reversed(keys):
             owners = entries.get(k)
             if owners is None:
                 entries[k] = {backend: expiry}
@@ -48,11 +54,34 @@ class ApproxPrefixIndex:
 
     def match(self, keys: list[int]) -> dict[str, int]:
         """Leading blocks of ``keys`` each backend was sent within the TTL."""
+        if not keys:
+            return {}
+        now = self._clock()
+        entries = self._entries
+        head = entries.get(keys[0])
+        if head is None:
+            return {}
+        counts: dict[str, int] = {}
+        for backend, expiry in head.items():
+            if expiry <= now:
+                continue
+            lo, hi = 1, len(keys)  # keys[:lo] held; keys[hi:] not known to be held
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                owners = entries.get(keys[mid - 1])
+                if owners is not None and owners.get(backend, 0.0) > now:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            counts[backend] = lo
+        return counts
+
+    def match_reference(self, keys: list[int]) -> dict[str, int]:
+        """:meth:`match` by walking every key (the tests compare the two)."""
         now = self._clock()
         counts: dict[str, int] = {}
-        entries = self._entries
         for i, k in enumerate(keys):
-            owners = entries.get(k)
+            owners = self._entries.get(k)
             if owners is None:
                 break
             advanced = False
