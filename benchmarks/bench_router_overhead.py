@@ -24,7 +24,7 @@ router. The client is a minimal asyncio HTTP/1.1 keep-alive loop: httpx itself c
 about a millisecond of CPU per request, which on this 2-core machine would cap the
 measurement below what the router sustains. The router is one process (one core).
 
-    .venv/bin/python benchmarks/bench_router_overhead.py [--reps 20] [--json OUT]
+    .venv/bin/python benchmarks/bench_router_overhead.py [--reps 8] [--json OUT]   # ~2.5 min
 """
 
 from __future__ import annotations
@@ -268,8 +268,8 @@ def start_vllm_router(policy: str, workers: list[tuple[int, int | None]], log: P
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--reps", type=int, default=20, help="requests per case at concurrency 1 (32 clients send 2x)")
-    ap.add_argument("--rps-seconds", type=float, default=4.0)
+    ap.add_argument("--reps", type=int, default=8, help="requests per case at concurrency 1 (32 clients send 2x)")
+    ap.add_argument("--rps-seconds", type=float, default=3.0)
     ap.add_argument("--no-peer", action="store_true", help="skip vllm-router")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = ap.parse_args()
