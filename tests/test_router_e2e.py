@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
 import threading
 import time
 import uuid
@@ -559,3 +560,23 @@ def test_redis_index_serves_cache_hits(fleet: dict[str, Any], redis_url: str) ->
             assert time.monotonic() < deadline, d
             time.sleep(0.2)
         assert d["backend"] == backend and d["reason"] == "cache_hit"
+
+
+def test_serve_flags_override_the_config_file(fleet: dict[str, Any]) -> None:
+    port = free_port()
+    path = Path(fleet["dir"]) / "override.yaml"
+    path.write_text(yaml.safe_dump(fleet_config(fleet, policy="kv_aware", port=1)))
+    args = KVROUTER + ["serve", "--config", str(path), "--port", str(port), "--policy", "round_robin"]
+    with Proc(args, Path(fleet["dir"]) / "override.log") as proc:
+        wait_http(f"http://127.0.0.1:{port}/health", timeout=120, proc=proc.popen)
+        assert httpx.post(f"http://127.0.0.1:{port}/debug/route", json={"model": MODEL, "prompt": "x"}).json()["policy"] == "round_robin"
+
+
+def test_serve_rejects_an_unknown_config_key_by_name(tmp_path: Path, fleet: dict[str, Any]) -> None:
+    cfg = fleet_config(fleet)
+    cfg["router"]["polcy"] = "kv_aware"
+    path = tmp_path / "typo.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    out = subprocess.run(KVROUTER + ["serve", "--config", str(path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert "router.polcy" in out.stderr
