@@ -9,13 +9,10 @@ took (success, upstream error, timeout, client disconnect, retry on another back
 so the counters return to zero when the router is idle. ``release`` is idempotent and
 the proxy calls it from ``finally`` blocks; tests hammer every path and check zero.
 
-KV blocks in use are counted as *unique* blocks over the backend's active requests,
-like Dynamo's active-sequence tracker: 200 requests sharing a 4k-token prefix hold that
-prefix once, so a cache-affine burst does not look 200 times heavier than it is. To keep
-this cheap for long prompts, sharing is tracked per group of :data:`GROUP_BLOCKS` blocks:
-the key of each group's last block is refcounted (block keys chain their parents, so it
-names the whole prefix up to there), and the blocks after the last full group count as
-the request's own. ``active_blocks`` is exact whenever requests share whole groups.
+KV blocks in use are counted as *unique* block keys over the backend's active
+requests (a refcount per key), like Dynamo's active-sequence tracker: 200 requests
+sharing a 4k-token prefix hold that prefix once, so a cache-affine burst does not look
+200 times heavier than it is.
 """
 
 from __future__ import annotations
@@ -32,8 +29,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-GROUP_BLOCKS = 16
-
 SCRAPED_GAUGES = ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc")
 
 
@@ -46,7 +41,6 @@ class BackendLoad:
         "prefill_tokens",
         "decode_seqs",
         "block_refs",
-        "own_blocks",
         "scraped_waiting",
         "scraped_running",
         "scraped_kv_usage",
@@ -59,8 +53,6 @@ class BackendLoad:
         self.prefill_tokens = 0
         self.decode_seqs = 0
         self.block_refs: dict[int, int] = {}
-        """key of a group's last block -> in-flight requests holding that prefix"""
-        self.own_blocks = 0
         self.scraped_waiting: float | None = None
         self.scraped_running: float | None = None
         self.scraped_kv_usage: float | None = None
@@ -68,7 +60,7 @@ class BackendLoad:
 
     @property
     def active_blocks(self) -> int:
-        return len(self.block_refs) * GROUP_BLOCKS + self.own_blocks
+        return len(self.block_refs)
 
     def effective_in_flight(self) -> float:
         """Requests on the engine: the router's own count, or the engine's if it sees more
@@ -81,7 +73,7 @@ class BackendLoad:
             "in_flight": self.in_flight,
             "prefill_tokens": self.prefill_tokens,
             "decode_seqs": self.decode_seqs,
-            "active_blocks": self.active_blocks,
+            "active_blocks": len(self.block_refs),
             "scraped_waiting": self.scraped_waiting,
             "scraped_running": self.scraped_running,
             "scraped_kv_cache_usage": self.scraped_kv_usage,
@@ -96,19 +88,17 @@ class Ticket:
     streamed byte, and the request then counts as one decode sequence.
     """
 
-    __slots__ = ("load", "groups", "own", "prefill", "phase")
+    __slots__ = ("load", "keys", "prefill", "phase")
 
     def __init__(self, load: BackendLoad, keys: list[int], prefill: int) -> None:
         self.load = load
-        self.groups = keys[GROUP_BLOCKS - 1 :: GROUP_BLOCKS]
-        self.own = len(keys) - len(self.groups) * GROUP_BLOCKS
+        self.keys = keys
         self.prefill = prefill
         self.phase = 0
         load.in_flight += 1
         load.prefill_tokens += prefill
-        load.own_blocks += self.own
         refs = load.block_refs
-        for k in self.groups:
+        for k in keys:
             refs[k] = refs.get(k, 0) + 1
 
     def first_token(self) -> None:
@@ -127,9 +117,8 @@ class Ticket:
             load.decode_seqs -= 1
         self.phase = 2
         load.in_flight -= 1
-        load.own_blocks -= self.own
         refs = load.block_refs
-        for k in self.groups:
+        for k in self.keys:
             n = refs.get(k, 0)
             if n <= 1:
                 refs.pop(k, None)
@@ -151,7 +140,7 @@ class LoadTracker:
 
     def idle(self) -> bool:
         return all(
-            b.in_flight == 0 and b.prefill_tokens == 0 and b.decode_seqs == 0 and not b.block_refs and b.own_blocks == 0
+            b.in_flight == 0 and b.prefill_tokens == 0 and b.decode_seqs == 0 and not b.block_refs
             for b in self.backends.values()
         )
 

@@ -60,7 +60,7 @@ def test_least_loaded_picks_fewest_in_flight_tokens() -> None:
     cands = fleet(3)
     cands[0].load.prefill_tokens = 500
     cands[1].load.prefill_tokens = 10
-    cands[2].load.own_blocks = 20  # 320 tokens of running KV
+    cands[2].load.block_refs = {k: 1 for k in range(20)}  # 320 tokens of running KV
     assert LeastLoaded().choose(ctx(), cands).backend == "b1"
 
 
@@ -132,7 +132,7 @@ def test_kv_aware_cost_matches_the_documented_formula() -> None:
     cands = fleet(2)
     cands[0].matched_blocks, cands[0].weighted_blocks = 4, 3.0  # 2 GPU + 2 CPU at 0.5
     cands[0].load.prefill_tokens = 32
-    cands[0].load.own_blocks = 10
+    cands[0].load.block_refs = {k: 1 for k in range(10)}
     kv(prefill=2.0, decode=0.5).choose(ctx(n, keys=[1, 2, 3, 4, 5, 6]), cands)
     hit = 3.0
     expected0 = 2.0 * ((n - hit * BS) + 32) / BS + 0.5 * (10 + 7 - 4)
@@ -231,7 +231,7 @@ def test_softmax_temperature_samples_near_equal_backends() -> None:
 
 def test_ticket_release_is_idempotent_and_returns_load_to_zero() -> None:
     tracker = LoadTracker(["a"])
-    shared = list(range(1, 33))  # two full groups of 16 blocks, held once
+    shared = list(range(1, 33))  # a prefix both requests hold once
     t1 = tracker.acquire("a", shared + [100], 100)
     t2 = tracker.acquire("a", shared + [200, 201], 50)
     load = tracker.get("a")
