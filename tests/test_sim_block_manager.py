@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 from indexer.hashing import BlockHasher
-from loadtest.sim.block_manager import BlockManager, CacheRequest, RemovedRecord, StoredRecord
+from loadtest.sim.block_manager import BlockManager, CacheRequest, CpuOffloadTier, RemovedRecord, StoredRecord
 
 B = 16
 HASHER = BlockHasher("sha256", B, "0", "0.33.0")
@@ -109,3 +109,107 @@ def test_reset_refused_while_blocks_are_held_then_clears_all() -> None:
     bm.free(r)
     assert bm.reset_prefix_cache()
     assert bm.pool.cached_hashes() == [] and bm.pool.usage() == 0.0
+
+
+def _run_tiered(bm: BlockManager, req: CacheRequest) -> tuple[int, int]:
+    """Admit like the engine with a CPU tier, prefill in one go; (GPU-hit, CPU-loaded) blocks."""
+    hits, _ = bm.get_computed_blocks(req)
+    loaded = bm.get_offloaded_blocks(req, len(hits))
+    need = bm.blocks_needed(len(req.all_token_ids), len(hits))
+    assert bm.can_admit(hits, need)
+    bm.admit(req, hits, need)
+    computed = (len(hits) + loaded) * B
+    bm.allocate_slots(req, computed, len(req.all_token_ids) - computed)
+    return len(hits), loaded
+
+
+def test_cpu_tier_continues_the_gpu_hit_and_loaded_blocks_are_cached_on_gpu_again() -> None:
+    bm = BlockManager(1 + 5, B, cpu_offload_blocks=16)
+    first = list(range(4 * B))
+    a = _req("a", first)
+    _run_tiered(bm, a)
+    bm.free(a)
+    stored = [e for e in bm.take_events() if isinstance(e, StoredRecord)]
+    assert [(e.medium, e.block_hashes) for e in stored] == [("GPU", a.block_hashes), ("CPU", a.block_hashes)]
+    assert stored[1].token_ids == first and stored[1].parent is None
+    other = _req("b", list(range(7000, 7000 + 3 * B)))
+    _run_tiered(bm, other)
+    bm.free(other)
+    assert bm.get_computed_blocks(_req("x", first + [1]))[1] == 2 * B, "a's tail was evicted from the GPU, its head kept"
+    bm.take_events()
+    again = _req("c", first + [1])
+    assert _run_tiered(bm, again) == (2, 2)
+    events = bm.take_events()
+    gpu_stored = [e for e in events if isinstance(e, StoredRecord) and e.medium == "GPU"]
+    assert gpu_stored[0].block_hashes == a.block_hashes[2:] and gpu_stored[0].parent == a.block_hashes[1]
+    assert not [e for e in events if e.medium == "CPU"], "blocks the CPU tier holds are not stored again"
+    assert set(bm.pool.cached_hashes()) >= set(a.block_hashes)
+
+
+def test_cpu_tier_evicts_lru_and_offloads_only_blocks_newly_cached_on_gpu() -> None:
+    bm = BlockManager(64, B, cpu_offload_blocks=5)
+    first = list(range(3 * B))
+    a = _req("a", first)
+    _run_tiered(bm, a)
+    bm.free(a)
+    b = _req("b", list(range(9000, 9000 + 3 * B)))
+    _run_tiered(bm, b)
+    bm.free(b)
+    cpu_events = [e for e in bm.take_events() if e.medium == "CPU"]
+    assert [e.block_hash for e in cpu_events if isinstance(e, RemovedRecord)] == a.block_hashes[:1]
+    assert bm.cpu is not None and bm.cpu.cached_hashes() == a.block_hashes[1:] + b.block_hashes
+    longer = _req("c", first + list(range(100, 100 + 2 * B)))
+    assert bm.get_offloaded_blocks(longer, 3) == 0, "the GPU holds a's blocks; the CPU tier is not asked past them"
+    _run_tiered(bm, longer)
+    stored = [e for e in bm.take_events() if isinstance(e, StoredRecord) and e.medium == "CPU"]
+    assert [(e.block_hashes, e.parent) for e in stored] == [(longer.block_hashes[3:], longer.block_hashes[2])]
+    assert stored[0].token_ids == longer.all_token_ids[3 * B : 5 * B]
+    assert len(bm.cpu.cached_hashes()) == 5
+
+
+def test_cpu_store_skips_held_blocks_and_publishes_each_new_run_chained_on_its_parent() -> None:
+    tier = CpuOffloadTier(10)
+    req = _req("a", list(range(5 * B)))
+    tier.store(req, 2, 3, B)
+    tier.take_events()
+    tier.store(req, 0, 5, B)
+    runs = [(e.block_hashes, e.parent, e.token_ids, e.medium) for e in tier.take_events()]
+    assert runs == [
+        (req.block_hashes[0:2], None, req.all_token_ids[: 2 * B], "CPU"),
+        (req.block_hashes[3:5], req.block_hashes[2], req.all_token_ids[3 * B :], "CPU"),
+    ]
+    assert sorted(tier.cached_hashes()) == sorted(req.block_hashes)
+
+
+def test_cpu_touch_makes_a_chain_head_outlive_its_tail() -> None:
+    tier = CpuOffloadTier(4)
+    req = _req("a", list(range(4 * B)))
+    tier.store(req, 0, 4, B)
+    tier.touch(req.block_hashes[:2])
+    tier.take_events()
+    tier.store(_req("b", list(range(800, 800 + 2 * B))), 0, 2, B)
+    assert [e.block_hash for e in tier.take_events() if isinstance(e, RemovedRecord)] == req.block_hashes[2:4]
+    assert tier.lookup(req.block_hashes) == 2
+
+
+def test_offloaded_hit_never_covers_the_last_prompt_token() -> None:
+    bm = BlockManager(1 + 3, B, cpu_offload_blocks=8)
+    toks = list(range(3 * B))
+    r = _req("a", toks)
+    _run_tiered(bm, r)
+    bm.free(r)
+    filler = _req("f", list(range(500, 500 + 3 * B)))
+    _run_tiered(bm, filler)
+    bm.free(filler)
+    assert bm.get_computed_blocks(_req("x", toks))[1] == 0
+    assert bm.get_offloaded_blocks(_req("y", toks), 0) == 2
+
+
+def test_reset_clears_the_cpu_tier_with_the_pool() -> None:
+    bm = BlockManager(16, B, cpu_offload_blocks=8)
+    r = _req("a", list(range(3 * B)))
+    _run_tiered(bm, r)
+    bm.free(r)
+    assert bm.reset_prefix_cache()
+    assert bm.cpu is not None and bm.cpu.cached_hashes() == []
+    assert [type(e).__name__ for e in bm.take_events()][-1] == "ClearedRecord"

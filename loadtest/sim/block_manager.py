@@ -20,6 +20,11 @@ an engine still holds:
   time each cache their own copy (and each emit ``BlockStored``); a lookup returns the
   first. :meth:`BlockPool.cached_hashes` is the set of distinct hashes held.
 
+An optional CPU tier (:class:`CpuOffloadTier`) models vLLM's native KV offloading (the
+``OffloadingConnector`` with its LRU CPU manager): every block cached on the GPU is
+also stored there (write-through), and on admission the CPU tier continues the GPU
+prefix hit; those blocks are loaded into new GPU blocks instead of being recomputed.
+
 Events are recorded as plain records (digests as ``bytes``) and turned into a given vLLM
 version's wire form by :mod:`loadtest.sim.publisher`.
 
@@ -31,8 +36,13 @@ request's later allocations always succeed.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+MEDIUM_GPU = "GPU"
+MEDIUM_CPU = "CPU"
+"""The ``medium`` of each tier's events, as vLLM names them (the CPU backend's medium)."""
 
 
 @dataclass(slots=True)
@@ -52,11 +62,13 @@ class StoredRecord:
     lora_id: int | None
     lora_name: str | None
     extra_keys: list[Any]
+    medium: str = MEDIUM_GPU
 
 
 @dataclass(slots=True)
 class RemovedRecord:
     block_hash: bytes
+    medium: str = MEDIUM_GPU
 
 
 @dataclass(slots=True)
@@ -188,6 +200,98 @@ class BlockPool:
         return events
 
 
+class CpuOffloadTier:
+    """The CPU tier of vLLM's native KV offloading: ``num_blocks`` blocks, evicted LRU.
+
+    Modelled on vLLM's ``LRUOffloadingManager`` over the CPU backend, as driven by the
+    ``OffloadingConnector`` scheduler (offloaded block size = GPU block size):
+
+    * :meth:`lookup` counts the leading hashes held; blocks are keyed by the GPU block
+      hash, so, as on the GPU, a hit is a prefix of the chain.
+    * :meth:`touch` moves held blocks to the LRU tail, walking the request's hashes
+      backwards so its head is the most recently used and outlives its tail.
+    * :meth:`store` skips hashes already held (no duplicates in this tier, unlike the
+      GPU pool), evicts the LRU head to make room and emits one ``BlockRemoved`` per
+      evicted block, then one ``BlockStored`` per contiguous run of new blocks. A store
+      larger than the whole tier is dropped, as vLLM's ``prepare_store`` gives up when
+      it cannot evict enough.
+    * Stored events carry the run's parent hash, token ids and extra keys, like
+      vLLM's self-describing offload events (older connectors sent ``parent=None`` and
+      no tokens), so a consumer can check the hashes of either tier the same way.
+
+    Loads and stores complete within the step that starts them (vLLM's are
+    asynchronous and their events trail by a step or two); a loaded block is therefore
+    never pinned, and the engine charges the transfer to that step's duration.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError("the CPU offload tier needs at least 1 block")
+        self.num_blocks = num_blocks
+        self.blocks: OrderedDict[bytes, None] = OrderedDict()
+        self.events: list[CacheRecord] = []
+
+    def usage(self) -> float:
+        return len(self.blocks) / self.num_blocks
+
+    def cached_hashes(self) -> list[bytes]:
+        return list(self.blocks)
+
+    def lookup(self, block_hashes: Sequence[bytes]) -> int:
+        held = self.blocks
+        n = 0
+        for h in block_hashes:
+            if h not in held:
+                break
+            n += 1
+        return n
+
+    def touch(self, block_hashes: Sequence[bytes]) -> None:
+        held = self.blocks
+        for h in reversed(block_hashes):
+            if h in held:
+                held.move_to_end(h)
+
+    def store(self, req: CacheRequest, start: int, end: int, block_size: int) -> None:
+        """Offload blocks ``start..end-1`` of ``req`` (all full and hashed)."""
+        held = self.blocks
+        new = [i for i in range(start, end) if req.block_hashes[i] not in held]
+        if not new or len(new) > self.num_blocks:
+            return
+        for _ in range(len(held) + len(new) - self.num_blocks):
+            evicted, _ = held.popitem(last=False)
+            self.events.append(RemovedRecord(evicted, MEDIUM_CPU))
+        run_start = new[0]
+        for pos, i in enumerate(new):
+            held[req.block_hashes[i]] = None
+            if pos + 1 == len(new) or new[pos + 1] != i + 1:
+                self._stored(req, run_start, i + 1, block_size)
+                if pos + 1 < len(new):
+                    run_start = new[pos + 1]
+
+    def _stored(self, req: CacheRequest, start: int, end: int, block_size: int) -> None:
+        self.events.append(
+            StoredRecord(
+                block_hashes=req.block_hashes[start:end],
+                parent=req.block_hashes[start - 1] if start else None,
+                token_ids=req.all_token_ids[start * block_size : end * block_size],
+                lora_id=req.lora_id,
+                lora_name=req.lora_name,
+                extra_keys=req.block_extra_keys[start:end],
+                medium=MEDIUM_CPU,
+            )
+        )
+
+    def clear(self) -> None:
+        """Drop every block, and events not yet taken, silently: the pool's ``AllBlocksCleared`` covers all media."""
+        self.blocks.clear()
+        self.events.clear()
+
+    def take_events(self) -> list[CacheRecord]:
+        events, self.events = self.events, []
+        return events
+
+
 @dataclass(slots=True)
 class _ReqState:
     blocks: list[Block] = field(default_factory=list)
@@ -201,11 +305,19 @@ class BlockManager:
     Follows vLLM's ``KVCacheManager``: :meth:`get_computed_blocks` finds the hit,
     :meth:`allocate_slots` touches the hit blocks, allocates the new ones and caches
     every block whose tokens are all known, :meth:`free` releases tail first.
+
+    With ``cpu_offload_blocks`` > 0 a :class:`CpuOffloadTier` sits behind the pool:
+    :meth:`get_offloaded_blocks` continues the GPU hit there, and every block
+    :meth:`allocate_slots` caches on the GPU is stored to it as well. A request
+    admitted with ``k`` offloaded blocks is allocated GPU blocks for them and passes
+    ``num_computed_tokens`` past them, so they are cached on the GPU again (a GPU
+    ``BlockStored``) and are not stored twice to the CPU, which already holds them.
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, cpu_offload_blocks: int = 0) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
+        self.cpu = CpuOffloadTier(cpu_offload_blocks) if cpu_offload_blocks > 0 else None
         self._reqs: dict[str, _ReqState] = {}
         self.reserved = 0
         """Blocks promised to running requests but not yet allocated (see :meth:`can_admit`)."""
@@ -220,6 +332,20 @@ class BlockManager:
                 break
             hits.append(block)
         return hits, len(hits) * self.block_size
+
+    def get_offloaded_blocks(self, req: CacheRequest, num_gpu_hit_blocks: int) -> int:
+        """Blocks the CPU tier holds right after the GPU hit (0 without a tier).
+
+        Like :meth:`get_computed_blocks` it never covers the last prompt token. The
+        request's prompt blocks are touched in the tier first, as vLLM's connector
+        touches a request's keys when it looks them up.
+        """
+        cpu = self.cpu
+        if cpu is None:
+            return 0
+        max_blocks = (len(req.all_token_ids) - 1) // self.block_size
+        cpu.touch(req.block_hashes[:max_blocks])
+        return cpu.lookup(req.block_hashes[num_gpu_hit_blocks:max_blocks])
 
     def blocks_needed(self, num_tokens: int, num_hit_blocks: int) -> int:
         return -(-num_tokens // self.block_size) - num_hit_blocks
@@ -254,6 +380,8 @@ class BlockManager:
             self.reserved -= used
         num_full = min(num_computed_tokens + num_new_tokens, len(req.all_token_ids)) // self.block_size
         self.pool.cache_full_blocks(req, state.blocks, state.num_cached_blocks, num_full, self.block_size)
+        if self.cpu is not None and num_full > state.num_cached_blocks:
+            self.cpu.store(req, state.num_cached_blocks, num_full, self.block_size)
         state.num_cached_blocks = max(state.num_cached_blocks, num_full)
         return len(state.blocks)
 
@@ -269,4 +397,15 @@ class BlockManager:
         return len(state.blocks) if state else 0
 
     def reset_prefix_cache(self) -> bool:
-        return self.pool.reset_prefix_cache()
+        """Reset the GPU pool and, with it, the CPU tier (one ``AllBlocksCleared`` clears every medium)."""
+        ok = self.pool.reset_prefix_cache()
+        if ok and self.cpu is not None:
+            self.cpu.clear()
+        return ok
+
+    def take_events(self) -> list[CacheRecord]:
+        """The step's records: the GPU pool's, then the CPU tier's (vLLM appends the connector's after the pool's)."""
+        events = self.pool.take_events()
+        if self.cpu is not None:
+            events.extend(self.cpu.take_events())
+        return events

@@ -29,6 +29,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--instances", type=int, default=1, help="number of engines (default 1)")
     p.add_argument("--num-blocks", type=int, default=e.num_blocks, help=f"KV blocks per engine incl. the null block (default {e.num_blocks})")
     p.add_argument("--block-size", type=int, default=e.block_size)
+    p.add_argument("--cpu-offload-blocks", type=int, default=e.cpu_offload_blocks,
+                   help="blocks of a CPU offload tier per engine, like vLLM's native KV offloading "
+                        "(write-through, LRU, events with medium CPU; default 0: none)")
     p.add_argument("--hash-algo", default="sha256", choices=["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"])
     p.add_argument("--hash-seed", default=None, help="the engines' PYTHONHASHSEED (default: unset)")
     p.add_argument("--vllm-version", default="0.33.0", help="vLLM version whose hashing and event wire to copy")
@@ -45,6 +48,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-us-per-token", type=float, default=d.prefill_s_per_token * 1e6, help="latency model b")
     p.add_argument("--decode-us-per-seq", type=float, default=d.decode_s_per_seq * 1e6, help="latency model c")
     p.add_argument("--kv-read-us-per-block", type=float, default=d.kv_read_s_per_block * 1e6, help="latency model d")
+    p.add_argument("--cpu-load-us-per-block", type=float, default=d.cpu_load_s_per_block * 1e6,
+                   help="latency model e: CPU -> GPU load of one block (default: 2 MiB over ~25 GB/s PCIe)")
     p.add_argument("--mean-output-tokens", type=float, default=128.0, help="mean natural output length")
     p.add_argument("--seed", type=int, default=0, help="seed for sampling and fault injection")
     p.add_argument("--fault-drop-events", type=float, default=0.0, help="fraction of event messages to drop")
@@ -69,6 +74,11 @@ def _check(args: argparse.Namespace) -> str | None:
             return f"--{name.replace('_', '-')} must be within [0, 1]"
     if args.num_blocks < 2:
         return "--num-blocks must be at least 2"
+    nonnegative = ("cpu_offload_blocks", "step_overhead_ms", "prefill_us_per_token", "decode_us_per_seq",
+                   "kv_read_us_per_block", "cpu_load_us_per_block")
+    for name in nonnegative:
+        if getattr(args, name) < 0:
+            return f"--{name.replace('_', '-')} must not be negative"
     return None
 
 
@@ -101,11 +111,13 @@ def run(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         max_model_len=max_model_len,
         speedup=args.speedup,
+        cpu_offload_blocks=args.cpu_offload_blocks,
         latency=LatencyModel(
             step_overhead_s=args.step_overhead_ms / 1e3,
             prefill_s_per_token=args.prefill_us_per_token / 1e6,
             decode_s_per_seq=args.decode_us_per_seq / 1e6,
             kv_read_s_per_block=args.kv_read_us_per_block / 1e6,
+            cpu_load_s_per_block=args.cpu_load_us_per_block / 1e6,
         ),
     )
     settings = FleetSettings(

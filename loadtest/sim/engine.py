@@ -4,7 +4,9 @@ Each step follows vLLM v1's scheduler: with a budget of ``max_num_batched_tokens
 running requests go first (one token for a decoding request, the next chunk of the
 prompt for one still prefilling), then waiting requests are admitted in arrival order
 while the budget, ``max_num_seqs`` and the KV pool allow. An admitted request's
-prefix hit is taken from the cache, so only its *uncached* tokens are prefilled. The
+prefix hit is taken from the cache, so only its *uncached* tokens are prefilled; with
+a CPU offload tier the hit goes on past the GPU's into the CPU's, whose blocks are
+loaded back (charged as transfer time to the step that admits the request). The
 step's duration comes from :class:`~loadtest.sim.latency.LatencyModel`; the loop
 sleeps ``duration / speedup`` wall seconds, then every request computed in the step
 gets its next token, finished ones free their blocks, and the step's KV events go
@@ -51,6 +53,8 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_model_len: int = 32768
     speedup: float = 1.0
+    cpu_offload_blocks: int = 0
+    """Blocks of the CPU offload tier (0: none, a GPU-only engine)."""
     latency: LatencyModel = field(default_factory=LatencyModel)
 
 
@@ -96,7 +100,7 @@ class Engine:
     ) -> None:
         self.config = config
         self.hasher = hasher
-        self.bm = BlockManager(config.num_blocks, config.block_size)
+        self.bm = BlockManager(config.num_blocks, config.block_size, config.cpu_offload_blocks)
         self.publish = publish
         self.metrics = metrics
         self._paused = paused or (lambda: 0.0)
@@ -111,6 +115,8 @@ class Engine:
         self.busy_engine_s = 0.0
         if metrics is not None:
             metrics.bind(lambda: len(self.running), lambda: len(self.waiting), self.bm.pool.usage)
+            if self.bm.cpu is not None:
+                metrics.enable_offload(self.bm.cpu.usage)
 
     # -- requests ---------------------------------------------------------------
 
@@ -183,7 +189,7 @@ class Engine:
         cfg = self.config
         budget = cfg.max_num_batched_tokens
         out: list[_Scheduled] = []
-        prefill_tokens = decode_seqs = kv_blocks = 0
+        prefill_tokens = decode_seqs = kv_blocks = loaded_blocks = 0
         for req in self.running:
             if budget <= 0:
                 break
@@ -197,16 +203,22 @@ class Engine:
             out.append(_Scheduled(req, n))
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             req = self.waiting[0]
-            hits, num_cached = self.bm.get_computed_blocks(req.cache)
+            hits, num_gpu_cached = self.bm.get_computed_blocks(req.cache)
+            num_loaded = self.bm.get_offloaded_blocks(req.cache, len(hits))
             lifetime = self.bm.blocks_needed(self.lifetime_tokens(req), len(hits))
             if not self.bm.can_admit(hits, lifetime):
                 break
             self.waiting.popleft()
             self.bm.admit(req.cache, hits, lifetime)
+            num_cached = num_gpu_cached + num_loaded * cfg.block_size
             req.num_computed_tokens = req.num_cached_tokens = num_cached
+            loaded_blocks += num_loaded
             if self.metrics is not None:
                 self.metrics.prefix_queries.inc(req.prompt_len)
-                self.metrics.prefix_hits.inc(num_cached)
+                self.metrics.prefix_hits.inc(num_gpu_cached)
+                if self.bm.cpu is not None:
+                    self.metrics.external_queries.inc(req.prompt_len)
+                    self.metrics.external_hits.inc(num_loaded * cfg.block_size)
                 self.metrics.queue_time.observe(max(0.0, now - req.arrival))
             n = min(req.prompt_len - num_cached, budget)
             kv_blocks += self.bm.allocate_slots(req.cache, num_cached, n)
@@ -216,7 +228,7 @@ class Engine:
             out.append(_Scheduled(req, n))
         if not out:
             return out, 0.0
-        return out, cfg.latency.step_time(prefill_tokens, decode_seqs, kv_blocks)
+        return out, cfg.latency.step_time(prefill_tokens, decode_seqs, kv_blocks, loaded_blocks)
 
     def complete(self, scheduled: list[_Scheduled], end: float) -> None:
         """Apply a step's results at engine time ``end``: tokens out, finished requests freed."""
@@ -254,7 +266,7 @@ class Engine:
         self._flush_events()
 
     def _flush_events(self) -> None:
-        events = self.bm.pool.take_events()
+        events = self.bm.take_events()
         if events and self.publish is not None:
             self.publish(events)
 

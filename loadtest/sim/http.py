@@ -5,11 +5,13 @@ against vLLM's own), so ``/tokenize`` and the render endpoints answer what vLLM 
 Errors are OpenAI-shaped like vLLM's: ``{"error": {"message", "type", "param", "code"}}``,
 400 for bad JSON or fields and for prompts over ``max_model_len``, 404 for an unknown
 model. ``usage.prompt_tokens_details.cached_tokens`` is the request's prefix hit as the
-block manager computed it at admission (never the whole prompt), i.e. what vLLM
-reports with ``--enable-prompt-tokens-details``.
+block manager computed it at admission (never the whole prompt), GPU blocks plus those
+loaded from the CPU offload tier, i.e. what vLLM reports with
+``--enable-prompt-tokens-details`` (its ``num_cached_tokens`` counts connector hits).
 
-Besides vLLM's endpoints: ``GET /debug/cache`` (the 64-bit hashes of every cached
-block, sorted: ground truth for index tests) and ``GET``/``POST /debug/fault``
+Besides vLLM's endpoints: ``GET /debug/cache`` (the 64-bit hashes of every block
+cached on the GPU, and in ``cpu_block_hashes_int64`` those the CPU offload tier
+holds, each sorted: ground truth for index tests) and ``GET``/``POST /debug/fault``
 (:mod:`loadtest.sim.faults`).
 """
 
@@ -222,10 +224,11 @@ def create_app(inst: Instance) -> FastAPI:
 
     @app.get("/debug/cache")
     async def debug_cache() -> dict[str, Any]:
-        pool = inst.engine.bm.pool
+        bm = inst.engine.bm
         return {
-            "block_hashes_int64": sorted(to_int64(h) for h in pool.cached_hashes()),
-            "duplicate_blocks": pool.num_duplicates(),
+            "block_hashes_int64": sorted(to_int64(h) for h in bm.pool.cached_hashes()),
+            "cpu_block_hashes_int64": sorted(to_int64(h) for h in bm.cpu.cached_hashes()) if bm.cpu else [],
+            "duplicate_blocks": bm.pool.num_duplicates(),
         }
 
     @app.post("/reset_prefix_cache")

@@ -2,7 +2,7 @@
 
 One scheduler step runs every scheduled request together, so its duration is
 
-    step_s = a + b * prefill_tokens + c * decode_seqs + d * kv_blocks_read
+    step_s = a + b * prefill_tokens + c * decode_seqs + d * kv_blocks_read + e * cpu_loaded_blocks
 
 where ``prefill_tokens`` are the uncached prompt tokens computed in the step (a chunk
 of at most ``max_num_batched_tokens``), ``decode_seqs`` the requests producing their
@@ -10,6 +10,9 @@ next token, and ``kv_blocks_read`` the KV blocks of every scheduled request (its
 context, cached prefix included, which attention must read). TTFT is then not a
 per-request constant: it is the queueing before admission plus the steps that
 prefill the *uncached* part of the prompt, shared with everything else in the batch.
+``cpu_loaded_blocks`` are prefix blocks copied back from the CPU offload tier in the
+step (see :class:`loadtest.sim.block_manager.CpuOffloadTier`): they cost their
+transfer instead of their prefill.
 
 Defaults resemble an 8B-class model (Llama-3-8B / Qwen3-8B, bf16) on one H100, read
 off the fit in Dynamo's mocker (quoted in DESIGN.md):
@@ -26,8 +29,14 @@ off the fit in Dynamo's mocker (quoted in DESIGN.md):
   a batch of a few hundred, so ``c`` = 0.06 ms per decoding sequence (256
   sequences add 15 ms).
 
-All four are configurable (``--step-overhead-ms``, ``--prefill-us-per-token``,
-``--decode-us-per-seq``, ``--kv-read-us-per-block``).
+* a CPU -> GPU load moves a block's KV over PCIe. An 8B-class model keeps 128 KiB
+  per token (2 (K, V) x 32 layers x 8 KV heads x 128 dims x 2 bytes), so a 16-token
+  block is 2 MiB; at ~25 GB/s, what pinned host-to-device copies reach on PCIe 5.0
+  x16 in practice, that is 2 MiB / 25 GB/s = 84 us: ``e`` = 84 us per block, about
+  1/14 of prefilling the block's 16 tokens (1.19 ms).
+
+All five are configurable (``--step-overhead-ms``, ``--prefill-us-per-token``,
+``--decode-us-per-seq``, ``--kv-read-us-per-block``, ``--cpu-load-us-per-block``).
 """
 
 from __future__ import annotations
@@ -41,12 +50,14 @@ class LatencyModel:
     prefill_s_per_token: float = 74.1e-6
     decode_s_per_seq: float = 60e-6
     kv_read_s_per_block: float = 1.3e-6
+    cpu_load_s_per_block: float = 84e-6
 
-    def step_time(self, prefill_tokens: int, decode_seqs: int, kv_blocks_read: int) -> float:
+    def step_time(self, prefill_tokens: int, decode_seqs: int, kv_blocks_read: int, cpu_loaded_blocks: int = 0) -> float:
         """Modelled seconds of one step (engine time, before ``--speedup``)."""
         return (
             self.step_overhead_s
             + self.prefill_s_per_token * prefill_tokens
             + self.decode_s_per_seq * decode_seqs
             + self.kv_read_s_per_block * kv_blocks_read
+            + self.cpu_load_s_per_block * cpu_loaded_blocks
         )

@@ -5,6 +5,14 @@ Each engine has its own registry (K engines share a process), labels ``model_nam
 so they read the same whatever ``--speedup`` compresses wall time by. Buckets are
 vLLM's. ``kvrouter_sim:clock_lag_seconds`` is the simulator's own: how far the
 engine's modelled clock fell behind wall time (it should stay near 0).
+
+With a CPU offload tier (``--cpu-offload-blocks``) the engine also exports vLLM's
+connector counters ``vllm:external_prefix_cache_queries`` (prompt tokens of every
+admitted request) and ``vllm:external_prefix_cache_hits`` (tokens loaded from the
+CPU tier; ``vllm:prefix_cache_hits`` stays the GPU's own, as in vLLM), and the
+simulator's ``kvrouter_sim:cpu_offload_usage_perc`` (CPU tier blocks held / size).
+Without a tier they are not registered, as vLLM registers no connector metrics
+without a connector.
 """
 
 from __future__ import annotations
@@ -54,6 +62,20 @@ class EngineMetrics:
         self.e2e = hist("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", _E2E_BUCKETS)
         self.queue_time = hist("vllm:request_queue_time_seconds", "Time spent in WAITING phase for request.", _E2E_BUCKETS)
         self.clock_lag = gauge("kvrouter_sim:clock_lag_seconds", "Modelled clock behind wall time (engine seconds).")
+
+    def enable_offload(self, cpu_usage: Callable[[], float]) -> None:
+        r, labels, values = self.registry, ["model_name", "engine"], self._values
+        self.external_queries = Counter(
+            "vllm:external_prefix_cache_queries", "External prefix cache queries, in terms of number of queried tokens.",
+            labels, registry=r,
+        ).labels(*values)
+        self.external_hits = Counter(
+            "vllm:external_prefix_cache_hits", "External prefix cache hits, in terms of number of cached tokens.",
+            labels, registry=r,
+        ).labels(*values)
+        Gauge(
+            "kvrouter_sim:cpu_offload_usage_perc", "CPU offload tier usage. 1 means 100 percent usage.", labels, registry=r,
+        ).labels(*values).set_function(cpu_usage)
 
     def bind(self, running: Callable[[], float], waiting: Callable[[], float], kv_usage: Callable[[], float]) -> None:
         self.running.set_function(running)

@@ -5,7 +5,7 @@ from 0), payload]``, the payload encoded for ``vllm_version`` by
 :func:`indexer.events.encode_batch`, so the bytes are what that vLLM would send. Hashes
 go out as the low 64 bits (unsigned int) of the digest, or as the full digest bytes
 with ``int_hashes=False`` (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``). Events carry
-``medium="GPU"``, and, like the real block manager of 0.22+, a per-block ``extra_keys``
+their record's ``medium`` (``"GPU"``, or ``"CPU"`` for the offload tier), and, like the real block manager of 0.22+, a per-block ``extra_keys``
 list, ``group_idx=0`` and ``kv_cache_spec_kind="full_attention"`` (older versions'
 encoders drop fields they did not have).
 
@@ -41,8 +41,6 @@ from loadtest.sim.faults import Faults
 
 log = logging.getLogger(__name__)
 
-MEDIUM_GPU = "GPU"
-
 
 def to_batch(records: list[CacheRecord], ts: float, block_size: int, int_hashes: bool, dp_rank: int = 0) -> EventBatch:
     """The wire events of one step's cache records (vLLM's field values)."""
@@ -57,7 +55,7 @@ def to_batch(records: list[CacheRecord], ts: float, block_size: int, int_hashes:
                     token_ids=rec.token_ids,
                     block_size=block_size,
                     lora_id=rec.lora_id,
-                    medium=MEDIUM_GPU,
+                    medium=rec.medium,
                     lora_name=rec.lora_name,
                     extra_keys=rec.extra_keys,
                     group_idx=0,
@@ -65,7 +63,7 @@ def to_batch(records: list[CacheRecord], ts: float, block_size: int, int_hashes:
                 )
             )
         elif isinstance(rec, RemovedRecord):
-            events.append(BlockRemoved(block_hashes=[conv(rec.block_hash)], medium=MEDIUM_GPU, group_idx=0))
+            events.append(BlockRemoved(block_hashes=[conv(rec.block_hash)], medium=rec.medium, group_idx=0))
         elif isinstance(rec, ClearedRecord):
             events.append(AllBlocksCleared())
     return EventBatch(ts=ts, events=events, data_parallel_rank=dp_rank)
