@@ -147,6 +147,8 @@ class FleetSpec:
     vllm_version: str = "0.33.0"
     speedup: float = 1.0
     num_blocks: int | None = None
+    cpu_offload_blocks: int = 0
+    """Blocks of each engine's CPU offload tier (``--cpu-offload-blocks``; 0: GPU only)."""
     sim_args: list[str] = field(default_factory=list)
 
 
@@ -176,6 +178,8 @@ class Fleet:
             args += ["--hash-seed", s.hash_seed]
         if s.num_blocks is not None:
             args += ["--num-blocks", str(s.num_blocks)]
+        if s.cpu_offload_blocks:
+            args += ["--cpu-offload-blocks", str(s.cpu_offload_blocks)]
         args += s.sim_args
         self.child = Child(self.name, args, self.workdir / f"{self.name}.log")
         self.engines = [
