@@ -318,6 +318,7 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="offer this fraction of the fleet's measured capacity (e.g. 0.8)")
     p.add_argument("--rate-scale", type=float, default=1.0, help="multiply the arrival rate (without --target-load)")
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks per engine (default: the simulator's)")
+    p.add_argument("--cpu-offload-blocks", type=int, default=0, help="CPU KV tier per engine, blocks (default 0: GPU only)")
     p.add_argument("--model", default="qwen3-sim", help="served model name")
     p.add_argument("--sim-arg", action="append", default=[], help="extra argument for kvrouter sim (repeatable)")
     p.add_argument("--sample-interval", type=float, default=0.5, help="engine /metrics scrape period, wall s")
@@ -336,7 +337,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
     if args.backends < 1:
         raise WorkloadError("--backends must be >= 1")
     spec = FleetSpec(backends=args.backends, model=args.model, tokenizer=args.tokenizer, speedup=args.speedup,
-                     num_blocks=args.num_blocks, sim_args=list(args.sim_arg))
+                     num_blocks=args.num_blocks, cpu_offload_blocks=args.cpu_offload_blocks, sim_args=list(args.sim_arg))
     return BenchOptions(Path(args.out), wl, spec, policies, args.speedup, args.target_load, args.rate_scale,
                         sample_interval_s=args.sample_interval, progress=not args.quiet,
                         plot_prefix=args.plot_prefix)

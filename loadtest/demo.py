@@ -28,6 +28,10 @@ class DEMO:
     speedup = 4.0
     length_scale = 0.25
     output_scale = 0.1
+    cpu_offload_blocks = 65536
+    """Each engine's CPU KV tier, 8x its GPU pool (vLLM's native offloading / LMCache):
+    Mooncake conversations return after so much other traffic that a GPU-only prefix
+    cache has evicted them; only a larger tier keeps the reuse a router can exploit."""
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -39,6 +43,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speedup", type=float, default=DEMO.speedup, help="engine clock speedup")
     p.add_argument("--length-scale", type=float, default=DEMO.length_scale, help="Mooncake block/input scale")
     p.add_argument("--output-scale", type=float, default=DEMO.output_scale, help="Mooncake output scale")
+    p.add_argument("--cpu-offload-blocks", type=int, default=DEMO.cpu_offload_blocks,
+                   help="CPU KV tier per engine, blocks (0 = GPU only)")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
@@ -52,7 +58,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         wl = load_mooncake(MOONCAKE, seed=args.seed, length_scale=args.length_scale, output_scale=args.output_scale,
                            max_requests=args.max_requests)
-        spec = FleetSpec(backends=args.backends, tokenizer=str(DEFAULT_TOKENIZER), speedup=args.speedup)
+        spec = FleetSpec(backends=args.backends, tokenizer=str(DEFAULT_TOKENIZER), speedup=args.speedup,
+                         cpu_offload_blocks=args.cpu_offload_blocks)
         policies = [x.strip() for x in args.policies.split(",") if x.strip()]
         console.print(f"kvrouter demo: {wl.num_requests} Mooncake requests, {args.backends} simulated engines, "
                       f"{args.target_load:.0%} of measured capacity, policies {', '.join(policies)}")
