@@ -163,6 +163,9 @@ class Fleet:
         self.child: Child | None = None
 
     def start(self, timeout_s: float = 120.0) -> Fleet:
+        """Start once: ``with Fleet(...).start()`` enters an already started fleet."""
+        if self.child is not None and self.child.alive():
+            return self
         return _with_port_retries(lambda: self._start(timeout_s))
 
     def _start(self, timeout_s: float) -> Fleet:
@@ -244,6 +247,9 @@ class Router:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout_s: float = 120.0) -> Router:
+        """Start once, like :meth:`Fleet.start`."""
+        if self.child is not None and self.child.alive():
+            return self
         return _with_port_retries(lambda: self._start(timeout_s))
 
     def _start(self, timeout_s: float) -> Router:
