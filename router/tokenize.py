@@ -452,8 +452,8 @@ def _completion_prompts(prompt: Any) -> list[str | list[int]]:
     empty = "Either prompt or prompt_embeds must be provided and non-empty."
     if isinstance(prompt, str):
         prompts: list[Any] = [prompt]
-    elif isinstance(prompt, list) and prompt and all(_is_token_id(t) for t in prompt):
-        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and _all_token_ids(prompt):
+        return [prompt]
     elif isinstance(prompt, list) and prompt:
         prompts = prompt
     else:
@@ -465,7 +465,7 @@ def _completion_prompts(prompt: Any) -> list[str | list[int]]:
         elif isinstance(p, list):
             if not p:
                 raise TokenizeError(empty)
-            if not all(_is_token_id(t) for t in p):
+            if not _all_token_ids(p):
                 raise TokenizeError("prompt token ids must be non-negative integers")
         else:
             raise TokenizeError("prompt must be a string, a list of strings, a list of token ids or a list of those")
@@ -474,6 +474,18 @@ def _completion_prompts(prompt: Any) -> list[str | list[int]]:
 
 def _is_token_id(t: Any) -> bool:
     return isinstance(t, int) and not isinstance(t, bool) and t >= 0
+
+
+def _all_token_ids(ids: list[Any]) -> bool:
+    """``all(_is_token_id(t) for t in ids)``, several times faster on the usual plain ints.
+
+    A 3k-token id prompt is validated on every request; ``map(type, ...)`` and ``min``
+    run in C (~0.1 ms) where the generator costs ~0.3-0.5 ms of GIL-held Python. Anything
+    that is not exactly ``int`` (bools, floats, subclasses) takes the reference path.
+    """
+    if set(map(type, ids)) == {int}:
+        return min(ids) >= 0
+    return all(_is_token_id(t) for t in ids)
 
 
 _CACHE: dict[str, PromptTokenizer] = {}
