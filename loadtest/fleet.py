@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 import httpx
 import yaml
@@ -107,13 +107,16 @@ def _with_port_retries(start: Callable[[], T]) -> T:
     raise AssertionError("unreachable")
 
 
-def wait_ready(url: str, child: Child, timeout_s: float) -> None:
-    """Poll ``url`` until 200; raise :class:`FleetError` with the child's log if it dies or times out."""
-    deadline = time.monotonic() + timeout_s
+def wait_http(url: str, timeout: float = 60.0, proc: subprocess.Popen | None = None) -> None:
+    """Poll ``url`` until it answers 200; raise :class:`FleetError` early if ``proc`` died.
+
+    The one readiness poll: :class:`Fleet`, :class:`Router` and the tests (``tests/support.py``) use it.
+    """
+    deadline = time.monotonic() + timeout
     last: object = None
     while time.monotonic() < deadline:
-        if not child.alive():
-            raise FleetError(f"{child.name} exited with {child.popen.returncode}:\n{child.log_tail()}")
+        if proc is not None and proc.poll() is not None:
+            raise FleetError(f"exited with {proc.returncode} before {url} was ready")
         try:
             r = httpx.get(url, timeout=2.0)
             if r.status_code == 200:
@@ -122,7 +125,49 @@ def wait_ready(url: str, child: Child, timeout_s: float) -> None:
         except httpx.HTTPError as e:
             last = e
         time.sleep(0.1)
-    raise FleetError(f"{child.name}: {url} not ready after {timeout_s:.0f}s (last: {last!r}):\n{child.log_tail()}")
+    raise FleetError(f"{url} not ready after {timeout:.0f}s (last: {last!r})")
+
+
+class _Supervised:
+    """One child process, started once and always stopped: the lifecycle :class:`Fleet` and
+    :class:`Router` share. A subclass's ``_spawn`` starts ``self.child`` and names the URLs
+    that answer 200 once it is ready."""
+
+    child: Child | None = None
+
+    def _spawn(self) -> list[str]:
+        raise NotImplementedError
+
+    def start(self, timeout_s: float = 120.0) -> Self:
+        """Start once: ``with Fleet(...).start()`` enters an already started child."""
+        if self.child is not None and self.child.alive():
+            return self
+        return _with_port_retries(lambda: self._start(timeout_s))
+
+    def _start(self, timeout_s: float) -> Self:
+        urls = self._spawn()
+        assert self.child is not None
+        try:
+            for url in urls:
+                wait_http(url, timeout_s, self.child.popen)
+        except FleetError as e:
+            message = f"{self.child.name}: {e}:\n{self.child.log_tail()}"
+            self.stop()
+            raise FleetError(message) from None
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        if self.child is not None:
+            self.child.stop()
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,7 +197,7 @@ class FleetSpec:
     sim_args: list[str] = field(default_factory=list)
 
 
-class Fleet:
+class Fleet(_Supervised):
     """``kvrouter sim --instances K`` in one child process; engine i on consecutive ports."""
 
     def __init__(self, spec: FleetSpec, workdir: Path, *, name: str = "sim") -> None:
@@ -160,15 +205,8 @@ class Fleet:
         self.workdir = workdir
         self.name = name
         self.engines: list[Engine] = []
-        self.child: Child | None = None
 
-    def start(self, timeout_s: float = 120.0) -> Fleet:
-        """Start once: ``with Fleet(...).start()`` enters an already started fleet."""
-        if self.child is not None and self.child.alive():
-            return self
-        return _with_port_retries(lambda: self._start(timeout_s))
-
-    def _start(self, timeout_s: float) -> Fleet:
+    def _spawn(self) -> list[str]:
         s = self.spec
         self.workdir.mkdir(parents=True, exist_ok=True)
         base = free_port_run(3 * s.backends)
@@ -190,23 +228,7 @@ class Fleet:
                    f"tcp://127.0.0.1:{replay + i}")
             for i in range(s.backends)
         ]
-        try:
-            for e in self.engines:
-                wait_ready(e.url + "/health", self.child, timeout_s)
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def stop(self) -> None:
-        if self.child is not None:
-            self.child.stop()
-
-    def __enter__(self) -> Fleet:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+        return [e.url + "/health" for e in self.engines]
 
     def router_config(self, policy: str, port: int, weights: dict[str, Any] | None = None) -> dict[str, Any]:
         """A router config (``router/config.py`` shape) for this fleet."""
@@ -231,7 +253,7 @@ class Fleet:
             httpx.post(e.url + "/reset_prefix_cache", timeout=10.0)
 
 
-class Router:
+class Router(_Supervised):
     """``kvrouter serve`` for a :class:`Fleet` with one policy, on a free port."""
 
     def __init__(self, fleet: Fleet, policy: str, workdir: Path, *, weights: dict[str, Any] | None = None) -> None:
@@ -240,41 +262,19 @@ class Router:
         self.workdir = workdir
         self.weights = weights
         self.port = 0
-        self.child: Child | None = None
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout_s: float = 120.0) -> Router:
-        """Start once, like :meth:`Fleet.start`."""
-        if self.child is not None and self.child.alive():
-            return self
-        return _with_port_retries(lambda: self._start(timeout_s))
-
-    def _start(self, timeout_s: float) -> Router:
+    def _spawn(self) -> list[str]:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.port = free_port_run(1)
         cfg_path = self.workdir / f"router-{self.policy}.yaml"
         cfg_path.write_text(yaml.safe_dump(self.fleet.router_config(self.policy, self.port, self.weights)))
         args = [*KVROUTER, "serve", "--config", str(cfg_path), "--port", str(self.port), "--policy", self.policy]
         self.child = Child(f"router-{self.policy}", args, self.workdir / f"router-{self.policy}.log")
-        try:
-            wait_ready(self.url + "/health", self.child, timeout_s)
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def stop(self) -> None:
-        if self.child is not None:
-            self.child.stop()
-
-    def __enter__(self) -> Router:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+        return [self.url + "/health"]
 
 
 def scrape(url: str, timeout_s: float = 5.0) -> dict[str, float]:

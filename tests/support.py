@@ -1,4 +1,8 @@
-"""Helpers for tests that start real processes on loopback: free ports, readiness, cleanup."""
+"""Helpers for tests that start real processes on loopback: free ports, readiness, cleanup.
+
+``free_ports`` and ``wait_http`` are re-exported from :mod:`loadtest.fleet`, so the tests and
+the bench wait for children the same way.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,8 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
+from loadtest.fleet import free_port_run as free_ports
+from loadtest.fleet import wait_http
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures"
@@ -23,43 +28,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def free_ports(n: int) -> int:
-    """The first of ``n`` consecutive free loopback ports (for ``--instances``-style ranges)."""
-    for _ in range(200):
-        base = free_port()
-        if base + n >= 65535:
-            continue
-        ok = True
-        for p in range(base, base + n):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", p))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return base
-    raise RuntimeError(f"no run of {n} free ports found")
-
-
-def wait_http(url: str, timeout: float = 60.0, proc: subprocess.Popen | None = None) -> None:
-    """Poll ``url`` until it answers 200; fail early if ``proc`` died."""
-    deadline = time.monotonic() + timeout
-    last: object = None
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"process exited with {proc.returncode} before {url} was ready")
-        try:
-            r = httpx.get(url, timeout=2.0)
-            if r.status_code == 200:
-                return
-            last = r.status_code
-        except httpx.HTTPError as e:
-            last = e
-        time.sleep(0.1)
-    raise TimeoutError(f"{url} not ready after {timeout}s (last: {last!r})")
 
 
 def wait_port(port: int, timeout: float = 30.0, host: str = "127.0.0.1") -> None:
