@@ -6,13 +6,23 @@ the bench wait for children the same way.
 
 from __future__ import annotations
 
+import asyncio
 import os
+import random
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
+import httpx
+import zmq
+
+from indexer.index import MemoryIndex, Worker
+from indexer.subscriber import FleetSubscriber, StreamSpec
 from loadtest.fleet import free_port_run as free_ports
 from loadtest.fleet import wait_http
 
@@ -71,3 +81,64 @@ class Proc:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def sub_socket(endpoint: str) -> zmq.Socket:
+    """A SUB socket on every topic of ``endpoint``, given 0.3 s to connect (ZMQ drops what a late SUB missed)."""
+    sock = zmq.Context.instance().socket(zmq.SUB)
+    sock.setsockopt(zmq.SUBSCRIBE, b"")
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    time.sleep(0.3)
+    return sock
+
+
+@contextmanager
+def indexed_sim(sim: Any, model: str) -> Iterator[tuple[MemoryIndex, list[Worker], zmq.Socket]]:
+    """A :class:`MemoryIndex` fed by every engine of ``sim`` (worker ``sim{i}``), and a SUB on engine 0's events.
+
+    Both are closed on exit, so a failing assertion inside the block leaks neither.
+    """
+    index = MemoryIndex()
+    workers = [Worker(f"sim{i}", 0) for i in range(sim.instances)]
+    subscriber = FleetSubscriber(index, [StreamSpec(model, w, sim.kv(i), sim.replay(i)) for i, w in enumerate(workers)])
+    subscriber.start()
+    monitor = sub_socket(sim.kv(0))
+    try:
+        yield index, workers, monitor
+    finally:
+        monitor.close()
+        subscriber.stop()
+
+
+async def random_conversations(sim: Any, model: str, wall_s: float, *, seed: int, max_tokens: int,
+                               mean_gap_s: float) -> None:
+    """Multi-turn conversations over 4 shared system prompts, spread at random over the engines.
+
+    No prompt repeats exactly (every turn appends a fresh suffix): vLLM would recompute the
+    last block of a fully cached prompt into a second block with the same hash.
+    """
+    rng = random.Random(seed)
+    systems = [[rng.randrange(1, 150_000) for _ in range(rng.randrange(40, 400))] for _ in range(4)]
+    histories: list[list[int]] = []
+    deadline = time.monotonic() + wall_s
+
+    async def one(client: httpx.AsyncClient, i: int, ids: list[int]) -> None:
+        body = {"model": model, "prompt": ids, "max_tokens": max_tokens}
+        r = await client.post(sim.http(i) + "/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+
+    async with httpx.AsyncClient(timeout=60) as client:
+        tasks = []
+        while time.monotonic() < deadline:
+            suffix = [rng.randrange(1, 150_000) for _ in range(rng.randrange(5, 300))]
+            if histories and rng.random() < 0.5:
+                k = rng.randrange(len(histories))
+                ids = histories[k] = (histories[k] + suffix)[-1500:]
+            else:
+                ids = rng.choice(systems) + suffix
+                if len(histories) < 30:
+                    histories.append(ids)
+            tasks.append(asyncio.create_task(one(client, rng.randrange(sim.instances), ids)))
+            await asyncio.sleep(rng.expovariate(1.0 / mean_gap_s))
+        await asyncio.gather(*tasks)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 
 import httpx
@@ -19,19 +18,9 @@ from indexer.events import (
     parse_replay_reply,
 )
 from indexer.hashing import BlockHasher, to_int64
-from indexer.index import MemoryIndex, Worker
-from indexer.subscriber import FleetSubscriber, StreamSpec
+from support import indexed_sim, random_conversations, sub_socket
 
 MODEL = "qwen3"
-
-
-def _sub(endpoint: str) -> zmq.Socket:
-    sock = zmq.Context.instance().socket(zmq.SUB)
-    sock.setsockopt(zmq.SUBSCRIBE, b"")
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(endpoint)
-    time.sleep(0.3)
-    return sock
 
 
 def _collect(sock: zmq.Socket, idle_ms: int = 1000) -> list[tuple[bytes, int, bytes]]:
@@ -51,7 +40,7 @@ def _complete(base: str, ids: list[int], max_tokens: int = 20) -> dict:
 @pytest.mark.parametrize("version", ["0.33.0", "0.22.0", "0.11.0"])
 def test_published_frames_decode_and_chain_like_vllm(sim_fleet, version: str) -> None:
     sim = sim_fleet("--speedup", "20", "--vllm-version", version, "--hash-seed", "0", "--kv-topic", "kv@sim")
-    sub = _sub(sim.kv())
+    sub = sub_socket(sim.kv())
     prompt = list(range(500, 500 + 40))
     _complete(sim.http(), prompt, max_tokens=20)
     msgs = _collect(sub)
@@ -74,7 +63,7 @@ def test_published_frames_decode_and_chain_like_vllm(sim_fleet, version: str) ->
 
 def test_bytes_hashes_and_replay_over_dealer(sim_fleet) -> None:
     sim = sim_fleet("--speedup", "20", "--bytes-block-hashes", "--vllm-version", "0.28.0", "--hash-seed", "0")
-    sub = _sub(sim.kv())
+    sub = sub_socket(sim.kv())
     for i in range(3):
         _complete(sim.http(), list(range(1000 * i, 1000 * i + 50)), max_tokens=3)
     live = _collect(sub)
@@ -107,51 +96,16 @@ def test_index_fed_by_events_equals_engine_caches_after_10_simulated_minutes(sim
     speedup, instances = 10.0, 2
     sim = sim_fleet("--speedup", str(speedup), "--num-blocks", "300", "--mean-output-tokens", "24",
                     "--hash-seed", "0", instances=instances)
-    index = MemoryIndex()
-    specs = [StreamSpec(MODEL, Worker(f"sim{i}", 0), sim.kv(i), sim.replay(i)) for i in range(instances)]
-    subscriber = FleetSubscriber(index, specs)
-    subscriber.start()
-    monitor = _sub(sim.kv(0))
-    try:
-        asyncio.run(_random_workload(sim, instances, wall_s=600 / speedup))
+    with indexed_sim(sim, MODEL) as (index, workers, monitor):
+        asyncio.run(random_conversations(sim, MODEL, 600 / speedup, seed=7, max_tokens=48, mean_gap_s=0.125))
         removed = sum(
             isinstance(e, BlockRemoved) for _, _, p in _collect(monitor, idle_ms=200) for e in decode_batch(p).events
         )
         time.sleep(1.0)
-        for i in range(instances):
+        for i, worker in enumerate(workers):
             cache = httpx.get(sim.http(i) + "/debug/cache").json()
             assert cache["duplicate_blocks"] == 0, "workload must not create duplicate blocks (see docstring)"
             held = set(cache["block_hashes_int64"])
-            worker = Worker(f"sim{i}", 0)
             assert index.block_counts(MODEL).get(worker, 0) == len(held)
             assert all(asyncio.run(index.lookup(MODEL, [k])).get(worker) for k in held)
         assert removed > 100, "the workload must evict"
-    finally:
-        monitor.close()
-        subscriber.stop()
-
-
-async def _random_workload(sim, instances: int, wall_s: float) -> None:
-    rng = random.Random(7)
-    systems = [[rng.randrange(1, 150_000) for _ in range(rng.randrange(40, 400))] for _ in range(4)]
-    histories: list[list[int]] = []
-    deadline = time.monotonic() + wall_s
-
-    async def one(client: httpx.AsyncClient, i: int, ids: list[int]) -> None:
-        r = await client.post(sim.http(i) + "/v1/completions", json={"model": MODEL, "prompt": ids, "max_tokens": 48})
-        assert r.status_code == 200, r.text
-
-    async with httpx.AsyncClient(timeout=60) as client:
-        tasks = []
-        while time.monotonic() < deadline:
-            suffix = [rng.randrange(1, 150_000) for _ in range(rng.randrange(5, 300))]
-            if histories and rng.random() < 0.5:
-                k = rng.randrange(len(histories))
-                ids = histories[k] = (histories[k] + suffix)[-1500:]
-            else:
-                ids = rng.choice(systems) + suffix
-                if len(histories) < 30:
-                    histories.append(ids)
-            tasks.append(asyncio.create_task(one(client, rng.randrange(instances), ids)))
-            await asyncio.sleep(rng.expovariate(8.0))
-        await asyncio.gather(*tasks)

@@ -16,16 +16,14 @@ import subprocess
 import time
 
 import httpx
-import zmq
 
 from indexer.events import BlockRemoved, BlockStored, decode_batch, encode_batch, parse_pub_frames
 from indexer.hashing import BlockHasher
 from indexer.index import MemoryIndex, Worker
-from indexer.subscriber import FleetSubscriber, StreamSpec
 from loadtest.sim.engine import Engine, EngineConfig
 from loadtest.sim.generation import PlannedOutput
 from loadtest.sim.publisher import to_batch
-from support import KVROUTER, QWEN3_DIR
+from support import KVROUTER, QWEN3_DIR, indexed_sim, random_conversations
 
 MODEL = "qwen3"
 
@@ -116,41 +114,6 @@ def test_prompt_evicted_from_gpu_but_held_in_cpu_is_cached_and_loads_between_gpu
     assert len(held_cpu) == 3 * 375 and set(cache["block_hashes_int64"]) <= held_cpu
 
 
-def _sub(endpoint: str) -> zmq.Socket:
-    sock = zmq.Context.instance().socket(zmq.SUB)
-    sock.setsockopt(zmq.SUBSCRIBE, b"")
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(endpoint)
-    time.sleep(0.3)
-    return sock
-
-
-async def _random_workload(sim, instances: int, wall_s: float) -> None:
-    """Multi-turn conversations over shared system prompts, spread at random over the engines."""
-    rng = random.Random(5)
-    systems = [_ids(100 + i, rng.randrange(40, 400)) for i in range(4)]
-    histories: list[list[int]] = []
-    deadline = time.monotonic() + wall_s
-
-    async def one(client: httpx.AsyncClient, i: int, ids: list[int]) -> None:
-        r = await client.post(sim.http(i) + "/v1/completions", json={"model": MODEL, "prompt": ids, "max_tokens": 32})
-        assert r.status_code == 200, r.text
-
-    async with httpx.AsyncClient(timeout=60) as client:
-        tasks = []
-        while time.monotonic() < deadline:
-            suffix = [rng.randrange(1, 150_000) for _ in range(rng.randrange(5, 300))]
-            if histories and rng.random() < 0.6:
-                k = rng.randrange(len(histories))
-                ids = histories[k] = (histories[k] + suffix)[-1500:]
-            else:
-                ids = rng.choice(systems) + suffix
-                histories.append(ids)
-            tasks.append(asyncio.create_task(one(client, rng.randrange(instances), ids)))
-            await asyncio.sleep(rng.uniform(0.0, 0.1))
-        await asyncio.gather(*tasks)
-
-
 async def _tier_of(index: MemoryIndex, worker: Worker, keys: list[int]) -> list[str | None]:
     """The best tier the index attributes each key to for ``worker`` (None: not held)."""
     out = []
@@ -171,13 +134,8 @@ def test_index_fed_by_events_holds_exactly_each_tier_after_eviction_in_both(sim_
     instances = 2
     sim = sim_fleet("--speedup", "10", "--num-blocks", "200", "--cpu-offload-blocks", "500",
                     "--hash-seed", "0", instances=instances)
-    index = MemoryIndex()
-    workers = [Worker(f"sim{i}", 0) for i in range(instances)]
-    subscriber = FleetSubscriber(index, [StreamSpec(MODEL, workers[i], sim.kv(i), sim.replay(i)) for i in range(instances)])
-    subscriber.start()
-    monitor = _sub(sim.kv(0))
-    try:
-        asyncio.run(_random_workload(sim, instances, wall_s=20))
+    with indexed_sim(sim, MODEL) as (index, workers, monitor):
+        asyncio.run(random_conversations(sim, MODEL, 20, seed=5, max_tokens=32, mean_gap_s=0.05))
         counts: dict[tuple[str, str], int] = {}
         while monitor.poll(300):
             for ev in decode_batch(parse_pub_frames(monitor.recv_multipart())[2]).events:
@@ -185,9 +143,6 @@ def test_index_fed_by_events_holds_exactly_each_tier_after_eviction_in_both(sim_
                     key = (type(ev).__name__, ev.medium or "GPU")
                     counts[key] = counts.get(key, 0) + len(ev.block_hashes)
         time.sleep(1.0)
-    finally:
-        monitor.close()
-        subscriber.stop()
     assert counts.get(("BlockRemoved", "GPU"), 0) > 100 and counts.get(("BlockRemoved", "CPU"), 0) > 100, counts
     assert counts.get(("BlockStored", "CPU"), 0) > 500, counts
     for i, worker in enumerate(workers):
