@@ -13,7 +13,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -142,3 +142,13 @@ async def random_conversations(sim: Any, model: str, wall_s: float, *, seed: int
             tasks.append(asyncio.create_task(one(client, rng.randrange(sim.instances), ids)))
             await asyncio.sleep(rng.expovariate(1.0 / mean_gap_s))
         await asyncio.gather(*tasks)
+
+
+def wait_for(cond: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
+    """Poll ``cond`` every 5 ms until it holds; ``TimeoutError`` naming ``what`` if it never does."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.005)
+    raise TimeoutError(f"timed out waiting for {what}")

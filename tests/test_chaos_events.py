@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -19,7 +18,7 @@ from indexer.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBat
 from indexer.index import MemoryIndex, Worker
 from indexer.subscriber import FleetSubscriber, StreamSpec, StreamStats
 from kvpub import EnginePublisher, LossyRelay
-from support import GOLDEN
+from support import GOLDEN, wait_for
 
 MODEL = "m"
 WORKER = Worker("engine-0", 0)
@@ -44,15 +43,6 @@ def held(index: MemoryIndex, keys: list[int]) -> set[int]:
         return out
 
     return asyncio.run(run())
-
-
-def wait_for(cond: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.005)
-    raise TimeoutError(f"timed out waiting for {what}")
 
 
 def stats_of(sub: FleetSubscriber) -> StreamStats:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -16,9 +17,11 @@ from indexer.subscriber import FleetSubscriber, StreamSpec, offset_endpoint, spe
 from indexer.verify import HashVerifier
 from kvpub import EnginePublisher
 from router.config import parse_config
+from support import wait_for
 
 MODEL = "m"
 W0 = Worker("engine-0", 0)
+W1 = Worker("engine-1", 0)
 
 
 def stored(keys: list[int], ts: float = 1.0, version: str = "0.33.0") -> bytes:
@@ -30,18 +33,26 @@ def has(index: MemoryIndex, key: int, worker: Worker = W0) -> bool:
     return bool(asyncio.run(index.lookup(MODEL, [key])).get(worker))
 
 
-def wait_for(cond: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.005)
-    raise TimeoutError(f"timed out waiting for {what}")
-
-
 def spec(pub: EnginePublisher, worker: Worker = W0) -> StreamSpec:
     return StreamSpec(MODEL, worker, pub.endpoint, pub.replay_endpoint, topic=pub.topic.decode(),
                       vllm_version=pub.vllm_version)
+
+
+@contextmanager
+def two_engines() -> Iterator[tuple[EnginePublisher, EnginePublisher, MemoryIndex, FleetSubscriber]]:
+    """Publishers for W0 and W1 feeding one index, both subscribed before the block runs; all closed after."""
+    a, b = EnginePublisher(), EnginePublisher()
+    index = MemoryIndex()
+    sub = FleetSubscriber(index, [spec(a), spec(b, W1)])
+    sub.start()
+    try:
+        a.wait_subscribed()
+        b.wait_subscribed()
+        yield a, b, index, sub
+    finally:
+        sub.stop()
+        a.close()
+        b.close()
 
 
 def config(**backend) -> object:
@@ -95,45 +106,23 @@ def test_replay_works_with_every_reply_framing(version: str) -> None:
 
 
 def test_all_blocks_cleared_clears_only_that_worker() -> None:
-    a, b = EnginePublisher(), EnginePublisher()
-    w1 = Worker("engine-1", 0)
-    index = MemoryIndex()
-    sub = FleetSubscriber(index, [spec(a), spec(b, w1)])
-    sub.start()
-    try:
-        a.wait_subscribed()
-        b.wait_subscribed()
+    with two_engines() as (a, b, index, _):
         a.publish(stored([1]))
         b.publish(stored([1]))
-        wait_for(lambda: has(index, 1) and has(index, 1, w1), "both workers hold block 1")
+        wait_for(lambda: has(index, 1) and has(index, 1, W1), "both workers hold block 1")
         a.publish(encode_batch(EventBatch(2.0, [AllBlocksCleared()], 0), "0.33.0"))
         wait_for(lambda: not has(index, 1), "worker 0 cleared")
-        assert has(index, 1, w1)
-    finally:
-        sub.stop()
-        a.close()
-        b.close()
+        assert has(index, 1, W1)
 
 
 def test_a_backend_removed_from_the_config_is_purged() -> None:
-    a, b = EnginePublisher(), EnginePublisher()
-    w1 = Worker("engine-1", 0)
-    index = MemoryIndex()
-    sub = FleetSubscriber(index, [spec(a), spec(b, w1)])
-    sub.start()
-    try:
-        a.wait_subscribed()
-        b.wait_subscribed()
+    with two_engines() as (a, b, index, sub):
         a.publish(stored([1]))
         b.publish(stored([2]))
-        wait_for(lambda: has(index, 1) and has(index, 2, w1), "both applied")
+        wait_for(lambda: has(index, 1) and has(index, 2, W1), "both applied")
         sub.update_specs([spec(a)])
-        wait_for(lambda: not has(index, 2, w1), "removed backend purged")
+        wait_for(lambda: not has(index, 2, W1), "removed backend purged")
         assert has(index, 1) and set(sub.stats()) == {W0}
-    finally:
-        sub.stop()
-        a.close()
-        b.close()
 
 
 def test_marked_dead_worker_is_purged_and_resynchronised_when_it_speaks_again() -> None:
