@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Iterator
+from contextlib import closing, contextmanager
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -61,11 +62,18 @@ def engine() -> Iterator[EnginePublisher]:
     pub.close()
 
 
-def subscribe(index: MemoryIndex, endpoint: str, replay: str | None, registry: CollectorRegistry, **kw) -> FleetSubscriber:
+@contextmanager
+def subscribed(endpoint: str, replay: str | None, registry: CollectorRegistry,
+               **kw) -> Iterator[tuple[MemoryIndex, FleetSubscriber]]:
+    """A fresh index fed by one stream (WORKER), its subscriber started, and stopped after the block."""
+    index = MemoryIndex()
     spec = StreamSpec(MODEL, WORKER, endpoint, replay, topic="kv-events")
     sub = FleetSubscriber(index, [spec], metrics_registry=registry, **kw)
     sub.start()
-    return sub
+    try:
+        yield index, sub
+    finally:
+        sub.stop()
 
 
 def golden_batches() -> list[bytes]:
@@ -104,9 +112,7 @@ def test_index_converges_to_the_engine_cache_when_a_fifth_of_messages_are_droppe
     truth, seen = true_cache(payloads)
     assert len(truth) > 50 and len(seen) > len(truth)
     relay = LossyRelay(engine.endpoint, drop=0.2, seed=3)
-    index = MemoryIndex()
-    sub = subscribe(index, relay.endpoint, engine.replay_endpoint, registry, tail_probe_s=0.3)
-    try:
+    with closing(relay), subscribed(relay.endpoint, engine.replay_endpoint, registry, tail_probe_s=0.3) as (index, sub):
         engine.wait_subscribed()
         assert relay.subscribed.wait(10)
         # The subscriber asks for history when it connects; publish after that, so every
@@ -124,15 +130,10 @@ def test_index_converges_to_the_engine_cache_when_a_fifth_of_messages_are_droppe
         assert held(index, sorted(seen)) == truth
         assert index.block_counts(MODEL) == {WORKER: len(truth)}
         assert registry.get_sample_value("kvrouter_kv_event_gaps_total", {"backend": "engine-0", "dp_rank": "0"}) == stats.gaps
-    finally:
-        sub.stop()
-        relay.close()
 
 
 def test_lost_tail_messages_are_fetched_by_the_idle_probe(engine: EnginePublisher, registry: CollectorRegistry) -> None:
-    index = MemoryIndex()
-    sub = subscribe(index, engine.endpoint, engine.replay_endpoint, registry, tail_probe_s=0.2)
-    try:
+    with subscribed(engine.endpoint, engine.replay_endpoint, registry, tail_probe_s=0.2) as (index, sub):
         engine.wait_subscribed()
         engine.publish(stored([1, 2]))
         engine.publish(stored([3]))
@@ -141,15 +142,11 @@ def test_lost_tail_messages_are_fetched_by_the_idle_probe(engine: EnginePublishe
         wait_for(lambda: held(index, [1, 2, 3, 4]) == {1, 2, 3, 4}, "the unsent batch to arrive by replay")
         stats = stats_of(sub)
         assert stats.probes >= 1 and stats.last_seq == 2 and stats.lost == 0
-    finally:
-        sub.stop()
 
 
 def test_publisher_restart_clears_stale_entries(registry: CollectorRegistry) -> None:
     first = EnginePublisher()
-    index = MemoryIndex()
-    sub = subscribe(index, first.endpoint, first.replay_endpoint, registry)
-    try:
+    with subscribed(first.endpoint, first.replay_endpoint, registry) as (index, sub):
         first.wait_subscribed()
         for i in range(5):
             first.publish(stored([100 + i], ts=1.0 + i))
@@ -168,14 +165,10 @@ def test_publisher_restart_clears_stale_entries(registry: CollectorRegistry) -> 
             assert stats.restarts == 1 and stats.last_seq == 1
         finally:
             second.close()
-    finally:
-        sub.stop()
 
 
 def test_seq_going_back_on_a_live_stream_is_a_restart(engine: EnginePublisher, registry: CollectorRegistry) -> None:
-    index = MemoryIndex()
-    sub = subscribe(index, engine.endpoint, engine.replay_endpoint, registry)
-    try:
+    with subscribed(engine.endpoint, engine.replay_endpoint, registry) as (index, sub):
         engine.wait_subscribed()
         for i in range(4):
             engine.publish(stored([10 + i], ts=float(i)))
@@ -186,14 +179,10 @@ def test_seq_going_back_on_a_live_stream_is_a_restart(engine: EnginePublisher, r
         wait_for(lambda: held(index, [99]) == {99}, "restarted stream applied")
         assert held(index, [10, 11, 12, 13]) == set()
         assert stats_of(sub).restarts == 1
-    finally:
-        sub.stop()
 
 
 def test_history_gone_clears_the_worker_and_counts_the_loss(engine: EnginePublisher, registry: CollectorRegistry) -> None:
-    index = MemoryIndex()
-    sub = subscribe(index, engine.endpoint, engine.replay_endpoint, registry)
-    try:
+    with subscribed(engine.endpoint, engine.replay_endpoint, registry) as (index, sub):
         engine.wait_subscribed()
         engine.publish(stored([1]))
         engine.publish(stored([2]))
@@ -209,15 +198,11 @@ def test_history_gone_clears_the_worker_and_counts_the_loss(engine: EnginePublis
         assert registry.get_sample_value(
             "kvrouter_kv_event_history_lost_total", {"backend": "engine-0", "dp_rank": "0"}
         ) == 1
-    finally:
-        sub.stop()
 
 
 def test_gap_without_a_replay_endpoint_is_a_loss(registry: CollectorRegistry) -> None:
     pub = EnginePublisher(replay=False)
-    index = MemoryIndex()
-    sub = subscribe(index, pub.endpoint, None, registry)
-    try:
+    with closing(pub), subscribed(pub.endpoint, None, registry) as (index, sub):
         pub.wait_subscribed()
         pub.publish(stored([1]))
         pub.publish(stored([2]), send=False)
@@ -225,16 +210,11 @@ def test_gap_without_a_replay_endpoint_is_a_loss(registry: CollectorRegistry) ->
         wait_for(lambda: stats_of(sub).last_seq == 2, "the batch after the hole")
         assert held(index, [1, 2, 3]) == {3}
         assert stats_of(sub).lost == 1
-    finally:
-        sub.stop()
-        pub.close()
 
 
 def test_garbage_frames_are_counted_and_ingestion_goes_on(engine: EnginePublisher, registry: CollectorRegistry) -> None:
-    index = MemoryIndex()
-    sub = subscribe(index, engine.endpoint, engine.replay_endpoint, registry)
     topic = engine.topic
-    try:
+    with subscribed(engine.endpoint, engine.replay_endpoint, registry) as (index, sub):
         engine.wait_subscribed()
         engine.publish(stored([1]))
         engine.send_raw([topic])
@@ -252,5 +232,3 @@ def test_garbage_frames_are_counted_and_ingestion_goes_on(engine: EnginePublishe
         assert registry.get_sample_value(
             "kvrouter_kv_events_malformed_total", {"backend": "engine-0", "dp_rank": "0"}
         ) == 6
-    finally:
-        sub.stop()
