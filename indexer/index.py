@@ -408,25 +408,16 @@ def _drop(table: dict[int, int], bit: int, keys: Sequence[int]) -> int:
 
 def _drop_copies(table: dict[int, int], bit: int, extra: dict[int, int], keys: Sequence[int]) -> int:
     """:func:`_drop` for a worker with extra copies: a key with an extra copy loses that copy, not its bit."""
-    get = table.get
-    dropped = 0
+    single = []
     for k in keys:
         n = extra.get(k)
-        if n:
-            if n == 1:
-                del extra[k]
-            else:
-                extra[k] = n - 1
-            continue
-        m = get(k, 0)
-        if m & bit:
-            m ^= bit
-            if m:
-                table[k] = m
-            else:
-                del table[k]
-            dropped += 1
-    return dropped
+        if n == 1:
+            del extra[k]
+        elif n:
+            extra[k] = n - 1
+        else:
+            single.append(k)
+    return _drop(table, bit, single)
 
 
 def _match_one(workers: tuple[Worker, ...], medium: str, table: dict[int, int], keys: Sequence[int]) -> Hits:
