@@ -245,10 +245,7 @@ def load_sharegpt(
     """
     if session_rate <= 0 or think_s < 0:
         raise WorkloadError("session rate must be > 0 and think time >= 0")
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise WorkloadError(f"cannot read ShareGPT file {path}: {e}") from e
+    data = _read_json(path, "ShareGPT file")
     if not isinstance(data, list):
         raise WorkloadError(f"{path}: expected a JSON list of conversations")
     tok = _hf_tokenizer(str(tokenizer_path))
@@ -332,10 +329,7 @@ class SyntheticSpec:
         """Read a JSON object of fields; ``default`` (or an empty path) gives the defaults."""
         if str(path) in ("", "default", "-"):
             return cls()
-        try:
-            raw = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise WorkloadError(f"cannot read synthetic spec {path}: {e}") from e
+        raw = _read_json(path, "synthetic spec")
         if not isinstance(raw, dict):
             raise WorkloadError(f"{path}: a synthetic spec is a JSON object")
         unknown = sorted(set(raw) - set(cls.__dataclass_fields__))
@@ -472,6 +466,14 @@ def _finish(name: str, sessions: list[Session], skipped: int, source: object) ->
 
 
 @lru_cache(maxsize=4)
+def _read_json(path: str | Path, what: str) -> Any:
+    """The JSON document at ``path``; :class:`WorkloadError` naming ``what`` if it cannot be read or parsed."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise WorkloadError(f"cannot read {what} {path}: {e}") from e
+
+
 def _hf_tokenizer(path: str) -> Any:
     from tokenizers import Tokenizer
 
