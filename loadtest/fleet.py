@@ -58,14 +58,15 @@ def free_port_run(n: int, host: str = "127.0.0.1") -> int:
 class Child:
     """One child process with its log file; :meth:`stop` terminates, then kills after a grace."""
 
-    def __init__(self, name: str, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, name: str, args: list[str], log_path: Path, env: dict[str, str] | None = None,
+                 cwd: Path = REPO_ROOT) -> None:
         self.name = name
         self.args = args
         self.log_path = log_path
         self._log = open(log_path, "wb")
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.popen = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=full_env,
-                                      cwd=REPO_ROOT, stdin=subprocess.DEVNULL)
+                                      cwd=cwd, stdin=subprocess.DEVNULL)
 
     def alive(self) -> bool:
         return self.popen.poll() is None

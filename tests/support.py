@@ -7,10 +7,8 @@ the bench wait for children the same way.
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -23,6 +21,7 @@ import zmq
 
 from indexer.index import MemoryIndex, Worker
 from indexer.subscriber import FleetSubscriber, StreamSpec
+from loadtest.fleet import Child
 from loadtest.fleet import free_port_run as free_ports
 from loadtest.fleet import wait_http
 
@@ -50,31 +49,17 @@ def wait_port(port: int, timeout: float = 30.0, host: str = "127.0.0.1") -> None
     raise TimeoutError(f"port {port} not open after {timeout}s")
 
 
-class Proc:
-    """A child process that is always stopped: terminate, then kill after a grace period.
+class Proc(Child):
+    """A :class:`loadtest.fleet.Child` for tests: named after its log file, always stopped on exit.
 
     Output goes to a log file so a failing test can show it (``proc.log()``).
     """
 
     def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None, cwd: Path = REPO):
-        self.log_path = log_path
-        self._log = open(log_path, "wb")
-        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        self.popen = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=full_env, cwd=cwd)
+        super().__init__(log_path.stem, args, log_path, env, cwd)
 
     def log(self) -> str:
-        self._log.flush()
-        return self.log_path.read_text(errors="replace")[-8000:]
-
-    def stop(self, grace: float = 5.0) -> None:
-        if self.popen.poll() is None:
-            self.popen.terminate()
-            try:
-                self.popen.wait(grace)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait(grace)
-        self._log.close()
+        return self.log_tail(8000)
 
     def __enter__(self) -> "Proc":
         return self
