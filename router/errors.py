@@ -62,11 +62,17 @@ class NoHealthyBackend(RouterError):
 
 
 class UpstreamError(RouterError):
-    """Every backend tried failed before answering (connect error, reset, 502/503)."""
+    """Every backend tried failed before answering (connect error, reset, 502/503).
+
+    ``backend`` names the last backend tried, for the request metric's label."""
 
     status = 502
     type = "server_error"
     code = "upstream_error"
+
+    def __init__(self, message: str, *, backend: str | None = None, code: str | None = None) -> None:
+        super().__init__(message, code=code)
+        self.backend = backend
 
 
 class UpstreamTimeout(UpstreamError):

@@ -131,7 +131,8 @@ class ProxyResponse(Response):
                 backend, ticket, upstream = await self._connect()
             except RouterError as e:
                 status = e.status
-                backend_name = getattr(e, "backend", backend_name)
+                if isinstance(e, UpstreamError) and e.backend is not None:
+                    backend_name = e.backend
                 await error_response(e)({"type": "http"}, _no_receive, send)
                 return
             backend_name = backend.name
@@ -228,22 +229,19 @@ class ProxyResponse(Response):
                 backend.record_failure(f"{kind}: {e!r}", connect_error=kind == "connect")
                 metrics.child(metrics.UPSTREAM_FAILURES, name, kind).inc()
                 metrics.child(metrics.RETRIES, name, kind).inc()
-                last = UpstreamError(f"backend {name} failed before answering ({kind}: {e!r})")
-                last.backend = name  # type: ignore[attr-defined]
+                last = UpstreamError(f"backend {name} failed before answering ({kind}: {e!r})", backend=name)
                 continue
             except _TIMEOUTS as e:
                 ticket.release()
                 backend.record_failure(f"timeout: {e!r}")
                 metrics.child(metrics.UPSTREAM_FAILURES, name, "timeout").inc()
-                err = UpstreamTimeout(f"backend {name} did not answer in time")
-                err.backend = name  # type: ignore[attr-defined]
+                err = UpstreamTimeout(f"backend {name} did not answer in time", backend=name)
                 raise err from e
             except aiohttp.ClientError as e:
                 ticket.release()
                 backend.record_failure(f"error: {e!r}")
                 metrics.child(metrics.UPSTREAM_FAILURES, name, "error").inc()
-                err = UpstreamError(f"backend {name} failed: {e!r}")
-                err.backend = name  # type: ignore[attr-defined]
+                err = UpstreamError(f"backend {name} failed: {e!r}", backend=name)
                 raise err from e
             except asyncio.CancelledError:
                 ticket.release()
@@ -254,8 +252,7 @@ class ProxyResponse(Response):
                 self._backend_down = False
                 metrics.child(metrics.UPSTREAM_FAILURES, name, "backend_down").inc()
                 metrics.child(metrics.RETRIES, name, "backend_down").inc()
-                last = UpstreamError(f"backend {name} went down before answering")
-                last.backend = name  # type: ignore[attr-defined]
+                last = UpstreamError(f"backend {name} went down before answering", backend=name)
                 continue
             except BaseException:
                 ticket.release()
