@@ -119,6 +119,7 @@ class StreamStats:
     verify_match: int = 0
     verify_mismatch: int = 0
     verify_unverifiable: int = 0
+    verify_skipped: int = 0
     rehash_mode: bool = False
     rehash_reason: str | None = None
     dead: bool = False
@@ -734,7 +735,9 @@ class FleetSubscriber:
         s.verify_match += outcome.match
         s.verify_mismatch += outcome.mismatch
         s.verify_unverifiable += outcome.unverifiable
-        for result, n in (("match", outcome.match), ("mismatch", outcome.mismatch), ("unverifiable", outcome.unverifiable)):
+        s.verify_skipped += outcome.skipped
+        for result, n in (("match", outcome.match), ("mismatch", outcome.mismatch),
+                          ("unverifiable", outcome.unverifiable), ("skipped", outcome.skipped)):
             if n:
                 self._metrics.verify.labels(*st.labels, result).inc(n)
         if outcome.mode_changed:

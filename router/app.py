@@ -154,10 +154,11 @@ class Router:
         await asyncio.gather(*(self._load_tokenizer(loop, rt) for rt in self.models.values()))
         if self._subscribes():
             from indexer.subscriber import FleetSubscriber, specs_from_config
-            from indexer.verify import HashVerifier
+            from indexer.verify import SETTLE_AFTER, HashVerifier
 
             verifiers = {
-                rt.config.name: HashVerifier(rt.hasher, {a.name: a.path for a in rt.config.lora_adapters})
+                rt.config.name: HashVerifier(rt.hasher, {a.name: a.path for a in rt.config.lora_adapters},
+                                             settle_after=SETTLE_AFTER)
                 for rt in self.models.values()
             }
             self.subscriber = FleetSubscriber(

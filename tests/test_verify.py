@@ -165,3 +165,37 @@ def test_block_size_mismatch_is_diagnosed() -> None:
     outcome = verifier.check(WORKER, EventBatch(1.0, [stored], 0))
     assert outcome.mode_changed and outcome.mismatch == 4
     assert "block size" in (verifier.diagnosis(WORKER) or "")
+
+
+def test_a_settled_worker_spot_checks_first_blocks_and_skips_continuations() -> None:
+    hasher = BlockHasher("sha256", 16, "0", "0.33.0")
+    verifier = HashVerifier(hasher, settle_after=8, spot_blocks=2)
+    digests, root = engine_events(hasher, list(range(160)))
+    outcome = verifier.check(WORKER, EventBatch(1.0, [root], 0))
+    assert (outcome.match, outcome.skipped) == (10, 0)
+    # Settled: a continuation of a cached prefix is not re-derived ...
+    _, tail = engine_events(hasher, list(range(160, 224)), parent=digests[-1])
+    outcome = verifier.check(WORKER, EventBatch(2.0, [tail], 0))
+    assert (outcome.match, outcome.mismatch, outcome.unverifiable, outcome.skipped) == (0, 0, 0, 4)
+    # ... and a new prefix has only its first blocks checked.
+    _, other = engine_events(hasher, list(range(1000, 1080)))
+    outcome = verifier.check(WORKER, EventBatch(3.0, [other], 0))
+    assert (outcome.match, outcome.skipped) == (2, 3)
+    assert outcome.batch.events == [other]
+
+
+def test_a_settled_worker_restarted_with_another_seed_is_caught_by_spot_checks() -> None:
+    router = BlockHasher("sha256", 16, "0", "0.33.0")
+    verifier = HashVerifier(router, settle_after=8, spot_blocks=2, window=4, min_mismatches=4)
+    _, root = engine_events(router, list(range(160)))
+    verifier.check(WORKER, EventBatch(1.0, [root], 0))
+    wrong = BlockHasher("sha256", 16, "7", "0.33.0")
+    _, first = engine_events(wrong, list(range(2000, 2064)))
+    outcome = verifier.check(WORKER, EventBatch(2.0, [first], 0))
+    # The first spot check fails; the worker is no longer settled, so the rest is checked.
+    assert (outcome.mismatch, outcome.skipped) == (2, 2) and not verifier.rehash_mode(WORKER)
+    _, second = engine_events(wrong, list(range(3000, 3064)))
+    outcome = verifier.check(WORKER, EventBatch(3.0, [second], 0))
+    assert outcome.mismatch == 4 and outcome.skipped == 0
+    assert outcome.mode_changed and verifier.rehash_mode(WORKER)
+    assert "hash_seed='7'" in (verifier.diagnosis(WORKER) or "")
