@@ -285,7 +285,12 @@ def test_debug_route_predicts_what_the_engine_reports_cached(router_url: str) ->
 
 
 def test_debug_backends_shows_load_and_event_streams(router_url: str) -> None:
-    backends = httpx.get(router_url + "/debug/backends", headers=headers()).json()["backends"]
+    deadline = time.monotonic() + 15  # run alone, this test may come before the streams connect
+    while True:
+        backends = httpx.get(router_url + "/debug/backends", headers=headers()).json()["backends"]
+        if all(b["connected"] for b in backends) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert [b["name"] for b in backends] == [f"sim-{i}" for i in range(N_ENGINES)]
     for b in backends:
         assert b["healthy"] is True and b["url"].startswith("http://127.0.0.1:")
