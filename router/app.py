@@ -598,14 +598,18 @@ def create_app(config: Config, index: Index | None = None) -> FastAPI:
         if expected_auth is not None and request.headers.get("authorization") != expected_auth:
             raise Unauthorized("Incorrect API key provided.")
 
-    async def read_json(request: Request) -> tuple[bytes, dict[str, Any]]:
+    async def read_json(request: Request) -> tuple[bytes, dict[str, Any], float]:
+        """The body, parsed, and when it was fully received (the overhead clock starts there:
+        a slow client's upload is not the router's time)."""
+        t0 = time.perf_counter()
         raw = await _read_body(request, settings.max_body_bytes)
-        return raw, _parse_json(raw)
+        received = time.perf_counter()
+        metrics.BODY_SECONDS.observe(received - t0)
+        return raw, _parse_json(raw), received
 
     async def openai(request: Request, kind: str, path: str) -> Response:
-        started = time.perf_counter()
         check_key(request)
-        raw, body = await read_json(request)
+        raw, body, started = await read_json(request)
         prepared = await router.prepare(body, len(raw), kind, request.headers)
         chosen = prepared.decision.backend
         prefill = router.prefill_tokens(prepared)
@@ -641,9 +645,8 @@ def create_app(config: Config, index: Index | None = None) -> FastAPI:
         return await openai(request, "completion", "/v1/completions")
 
     async def passthrough(request: Request, path: str) -> Response:
-        started = time.perf_counter()
         check_key(request)
-        raw, body = await read_json(request)
+        raw, body, started = await read_json(request)
         rt, order = router.pick_any(body)
         return ProxyResponse(
             pool=router.pool,
@@ -697,7 +700,7 @@ def create_app(config: Config, index: Index | None = None) -> FastAPI:
     @route("/debug/route", "POST")
     async def debug_route(request: Request) -> Response:
         check_key(request)
-        raw, body = await read_json(request)
+        raw, body, _ = await read_json(request)
         kind = "chat" if "messages" in body else "completion"
         prepared = await router.prepare(body, len(raw), kind, request.headers)
         ctx, decision = prepared.ctx, prepared.decision

@@ -64,7 +64,12 @@ TOKENIZE_SECONDS = Histogram("kvrouter_tokenize_seconds", "Prompt tokenization t
 HASH_SECONDS = Histogram("kvrouter_hash_seconds", "Block hashing time", ["model"], buckets=_LATENCY_BUCKETS)
 LOOKUP_SECONDS = Histogram("kvrouter_lookup_seconds", "Index lookup time", ["model"], buckets=_LATENCY_BUCKETS)
 OVERHEAD_SECONDS = Histogram(
-    "kvrouter_overhead_seconds", "Router time from request received to upstream request sent", ["model"],
+    "kvrouter_overhead_seconds", "Router time from request body received to upstream request sent", ["model"],
+    buckets=_LATENCY_BUCKETS,
+)
+BODY_SECONDS = Histogram(
+    "kvrouter_request_body_seconds",
+    "Time from request headers to the whole body received: the client's upload, kept out of the overhead",
     buckets=_LATENCY_BUCKETS,
 )
 TOKENIZER_FALLBACKS = Counter(
