@@ -31,7 +31,7 @@ import httpx
 
 from loadtest import report, workloads
 from loadtest.fleet import Fleet, FleetError, FleetSpec, Router, histogram_quantile, scrape, scrape_buckets
-from loadtest.replay import ReplayResult, Replayer, add_workload_args, load_workload, write_records
+from loadtest.replay import ReplayResult, Replayer, add_workload_args, load_workload, percentiles, write_records
 from loadtest.workloads import Workload, WorkloadError
 
 DEFAULT_POLICIES = "round_robin,least_loaded,kv_aware"
@@ -150,12 +150,36 @@ def measure_capacity(workload: Workload, spec: FleetSpec, workdir: Path, *, per_
     return Capacity(rate / spec.speedup, wl.num_requests, conc)
 
 
-def ideal_ratio(workload: Workload, tokenizer: str, block_size: int) -> float:
+@dataclass(frozen=True, slots=True)
+class Reference:
+    """What no policy can beat on this workload and fleet: the bench's yardsticks.
+
+    ``cached_ratio``: one engine with an infinite cache serving every prompt in order.
+    ``ttft_floor_s``: each request's engine TTFT if it found that ideal cache and an idle
+    engine (no queueing, nothing else in its steps), under the simulator's latency model.
+    round_robin's p90 over the floor's p90 is the largest TTFT gain any router could show.
+    """
+
+    cached_ratio: float
+    ttft_floor_s: list[float]
+
+
+def reference(workload: Workload, spec: FleetSpec) -> Reference:
+    from loadtest.sim import cli as sim_cli
     from router.tokenize import load_tokenizer
 
-    tok = load_tokenizer(tokenizer)
-    cached, total = workloads.ideal_cached_tokens((workloads.prompt_ids(t, tok) for t in workload.turns()), block_size)
-    return cached / total if total else 0.0
+    p = argparse.ArgumentParser()
+    sim_cli.configure(p)
+    sim = p.parse_known_args(["--model", "m", "--tokenizer", "t", *spec.sim_args])[0]
+    latency = sim_cli.latency_from_args(sim)
+    tok = load_tokenizer(spec.tokenizer)
+    cached = total = 0
+    floor: list[float] = []
+    for n, c in workloads.ideal_hits((workloads.prompt_ids(t, tok) for t in workload.turns()), spec.block_size):
+        total += n
+        cached += c
+        floor.append(latency.prefill_alone_s(n - c, sim.max_num_batched_tokens))
+    return Reference(cached / total if total else 0.0, floor)
 
 
 @dataclass(slots=True)
@@ -285,19 +309,21 @@ def run_bench(opt: BenchOptions) -> dict[str, Any]:
     meta["rate_scale"] = round(rate_scale, 4)
     meta["offered_rate_per_s"] = round(wl.arrival_rate * rate_scale, 3)
     scaled = wl.rate_scaled(rate_scale)
-    ideal = ideal_ratio(wl, opt.spec.tokenizer, opt.spec.block_size)
+    ref = reference(wl, opt.spec)
+    floor = percentiles(ref.ttft_floor_s)
     runs: list[dict[str, Any]] = []
     traces: list[report.PolicyTrace] = []
     for policy in opt.policies:
         pr = run_policy(scaled, opt.spec, policy, work, speedup=opt.speedup,
                         sample_interval_s=opt.sample_interval_s, progress=opt.progress)
-        pr.result["ideal_cached_ratio"] = ideal
+        pr.result["ideal_cached_ratio"] = ref.cached_ratio
+        pr.result["ttft_floor_s"] = floor
         runs.append(pr.result)
         traces.append(pr.trace)
     results = {"meta": meta, "runs": runs}
     (opt.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     title = opt.title or f"{wl.name}, {opt.spec.backends} engines"
-    plots = report.write_plots(opt.out, traces, title, ideal, opt.plot_prefix)
+    plots = report.write_plots(opt.out, traces, title, ref.cached_ratio, opt.plot_prefix, floor=ref.ttft_floor_s)
     report.write_markdown(opt.out / "report.md", meta, runs, plots)
     return results
 

@@ -114,6 +114,12 @@ def comparison(runs: list[dict[str, Any]], base: str = "round_robin", best: str 
     if ea and eb:
         out.append(f"TTFT p90 at the engines: {best} {eb * 1000:,.0f} ms vs {base} {ea * 1000:,.0f} ms, "
                    f"{ea / eb:.2f}x lower.")
+    floor = (b.get("ttft_floor_s") or {}).get("p90")
+    if floor and ea and eb:
+        out.append(f"TTFT p90 floor (ideal cache, idle engines): {floor * 1000:,.0f} ms, so no router can beat "
+                   f"{base}'s engine p90 by more than {ea / floor:.2f}x here; {best} has {ea / eb:.2f}x, "
+                   f"{(ea - eb) / (ea - floor):.0%} of the possible gain." if ea > floor else
+                   f"TTFT p90 floor (ideal cache, idle engines): {floor * 1000:,.0f} ms.")
     out.append(f"Cached-token ratio: {best} {b['cached_ratio']:.3f} vs {base} {a['cached_ratio']:.3f}"
                f" (ideal {b.get('ideal_cached_ratio') or 0:.3f}).")
     if b.get("load_imbalance") is not None:
@@ -127,8 +133,10 @@ def write_markdown(path: Path, meta: dict[str, Any], runs: list[dict[str, Any]],
     lines += ["", markdown_table(runs), ""]
     lines += [f"- {s}" for s in comparison(runs)]
     lines += ["", "Times are engine seconds (wall time x the simulator's speedup). The ideal ratio is what one engine",
-              "with an infinite cache would reuse across the same prompts. Router overhead is wall milliseconds,",
-              "the mean of the router's `kvrouter_overhead_seconds` (request received to upstream request sent)",
+              "with an infinite cache would reuse across the same prompts; the TTFT floor is each request's TTFT",
+              "with that cache on an idle engine (the simulator's latency model, no queueing), the bound no",
+              "routing can pass. Router overhead is wall milliseconds,",
+              "the mean of the router's `kvrouter_overhead_seconds` (request body received to upstream request sent)",
               "during the run. Engine TTFT is the engines' own `vllm:time_to_first_token_seconds` (p90 interpolated",
               "in its buckets, as Prometheus' histogram_quantile does): it holds queueing and prefill but not the",
               "router's and the client's own time, which a busy test machine inflates by the speedup factor.", ""]
@@ -148,13 +156,17 @@ def _plt() -> Any:
     return plt
 
 
-def plot_ttft_cdf(traces: list[PolicyTrace], path: Path, title: str) -> None:
+def plot_ttft_cdf(traces: list[PolicyTrace], path: Path, title: str, floor: list[float] | None = None) -> None:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for tr in traces:
         xs = sorted(r.ttft_s * tr.time_scale for r in tr.records if r.ok and r.ttft_s is not None)
         if xs:
             ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=tr.policy)
+    if floor:
+        xs = sorted(floor)
+        ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", color="grey", linestyle="--",
+                label="floor (ideal cache, idle engine)")
     ax.set_xscale("log")
     ax.set_xlabel("TTFT (s, log scale)")
     ax.set_ylabel("fraction of requests")
@@ -222,10 +234,11 @@ def plot_cached_ratio(traces: list[PolicyTrace], path: Path, title: str, ideal: 
     plt.close(fig)
 
 
-def write_plots(out: Path, traces: list[PolicyTrace], title: str, ideal: float | None, prefix: str = "") -> list[str]:
+def write_plots(out: Path, traces: list[PolicyTrace], title: str, ideal: float | None, prefix: str = "", *,
+                floor: list[float] | None = None) -> list[str]:
     """Write the three PNGs into ``out``; returns their file names."""
     names = [f"{prefix}ttft_cdf.png", f"{prefix}backend_load.png", f"{prefix}cached_ratio.png"]
-    plot_ttft_cdf(traces, out / names[0], title)
+    plot_ttft_cdf(traces, out / names[0], title, floor)
     plot_backend_load(traces, out / names[1], title)
     plot_cached_ratio(traces, out / names[2], title, ideal)
     return names

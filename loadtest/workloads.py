@@ -535,18 +535,16 @@ def prompt_ids(turn: Turn, tokenizer: Any) -> list[int]:
     return tokenizer.completion_ids(turn.body)[0]
 
 
-def ideal_cached_tokens(prompts: Iterable[list[int]], block_size: int) -> tuple[int, int]:
-    """(cached, prompt) tokens if one engine with an infinite cache served every prompt in order.
+def ideal_hits(prompts: Iterable[list[int]], block_size: int) -> Iterator[tuple[int, int]]:
+    """(prompt, cached) tokens of each prompt if one engine with an infinite cache served them in order.
 
-    The reference for a policy's cached-token ratio. It counts reuse of earlier
-    *prompts* only (not of generated tokens) and caps a hit like vLLM does: at most
-    ``floor((n - 1) / block_size)`` blocks, because the last token is always computed.
+    The reference for a policy's cached-token ratio and TTFT floor. It counts reuse of
+    earlier *prompts* only (not of generated tokens) and caps a hit like vLLM does: at
+    most ``floor((n - 1) / block_size)`` blocks, because the last token is always computed.
     """
     seen: set[int] = set()
-    cached = total = 0
     for ids in prompts:
         n = len(ids)
-        total += n
         parent = 0
         hit = 0
         still = True
@@ -557,5 +555,13 @@ def ideal_cached_tokens(prompts: Iterable[list[int]], block_size: int) -> tuple[
             else:
                 still = False
                 seen.add(parent)
-        cached += min(hit, (n - 1) // block_size) * block_size if n else 0
+        yield n, min(hit, (n - 1) // block_size) * block_size if n else 0
+
+
+def ideal_cached_tokens(prompts: Iterable[list[int]], block_size: int) -> tuple[int, int]:
+    """(cached, prompt) tokens over all ``prompts`` (see :func:`ideal_hits`)."""
+    cached = total = 0
+    for n, c in ideal_hits(prompts, block_size):
+        total += n
+        cached += c
     return cached, total

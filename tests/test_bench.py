@@ -68,6 +68,9 @@ def test_kv_aware_beats_round_robin_on_the_mooncake_slice(bench_out: Path) -> No
     assert imbalance(kv["backend_requests"]) <= 1.25
     for r in (rr, kv):
         assert r["engine_ttft_s"]["p90"] is not None and r["engine_ttft_mean_s"] > 0
+        # Every request's TTFT is at least its floor (ideal cache, idle engine), so every quantile is too.
+        assert 0 < r["ttft_floor_s"]["p90"] <= r["ttft_s"]["p90"]
+    assert "no router can beat" in (bench_out / "report.md").read_text()
 
 
 def test_histogram_quantile_interpolates_like_prometheus() -> None:

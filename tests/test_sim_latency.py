@@ -8,6 +8,7 @@ import re
 import time
 
 import httpx
+import pytest
 import yaml
 from support import KVROUTER, QWEN3_DIR, Proc, free_port, wait_http
 
@@ -49,6 +50,24 @@ def test_same_prompt_is_faster_the_second_time(sim_fleet) -> None:
     first, second = asyncio.run(go())
     # 4000 uncached tokens: ~0.32 s; then 16 tokens: ~0.02 s (the block holding the last token).
     assert first > 0.25 and second < first / 4, (first, second)
+
+
+def test_an_idle_engine_answers_at_the_bench_floor(sim_fleet) -> None:
+    """The bench's TTFT floor (LatencyModel.prefill_alone_s) is what an idle engine shows."""
+    from loadtest.sim.latency import LatencyModel
+
+    sim = sim_fleet("--speedup", "1", "--max-num-batched-tokens", "2048")
+
+    async def go() -> float:
+        async with httpx.AsyncClient(timeout=30) as c:
+            await _ttft_and_e2e(c, sim.http(), _ids(7, 16), 1)  # warm the HTTP path
+            return (await _ttft_and_e2e(c, sim.http(), _ids(8, 5000), 1))[0]
+
+    ttft = asyncio.run(go())
+    floor = LatencyModel().prefill_alone_s(5000, 2048)  # 3 chunks: 3 x 20 ms + 5000 x 74.1 us = 0.43 s
+    assert floor == pytest.approx(0.4305)
+    # At most one step waiting for the loop, plus HTTP and KV-read time on top.
+    assert floor <= ttft < floor + 0.1, (ttft, floor)
 
 
 def test_ttft_grows_with_queue_depth(sim_fleet) -> None:

@@ -15,6 +15,16 @@ from loadtest.sim.fleet import FleetSettings, instance_specs, run_fleet
 from loadtest.sim.latency import LatencyModel
 
 
+def latency_from_args(args: argparse.Namespace) -> LatencyModel:
+    return LatencyModel(
+        step_overhead_s=args.step_overhead_ms / 1e3,
+        prefill_s_per_token=args.prefill_us_per_token / 1e6,
+        decode_s_per_seq=args.decode_us_per_seq / 1e6,
+        kv_read_s_per_block=args.kv_read_us_per_block / 1e6,
+        cpu_load_s_per_block=args.cpu_load_us_per_block / 1e6,
+    )
+
+
 def configure(p: argparse.ArgumentParser) -> None:
     d = LatencyModel()
     e = EngineConfig()
@@ -112,13 +122,7 @@ def run(args: argparse.Namespace) -> int:
         max_model_len=max_model_len,
         speedup=args.speedup,
         cpu_offload_blocks=args.cpu_offload_blocks,
-        latency=LatencyModel(
-            step_overhead_s=args.step_overhead_ms / 1e3,
-            prefill_s_per_token=args.prefill_us_per_token / 1e6,
-            decode_s_per_seq=args.decode_us_per_seq / 1e6,
-            kv_read_s_per_block=args.kv_read_us_per_block / 1e6,
-            cpu_load_s_per_block=args.cpu_load_us_per_block / 1e6,
-        ),
+        latency=latency_from_args(args),
     )
     settings = FleetSettings(
         model_name=args.model,

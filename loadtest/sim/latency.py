@@ -52,6 +52,15 @@ class LatencyModel:
     kv_read_s_per_block: float = 1.3e-6
     cpu_load_s_per_block: float = 84e-6
 
+    def prefill_alone_s(self, tokens: int, max_num_batched_tokens: int) -> float:
+        """Engine seconds to the first token of a prompt with ``tokens`` uncached tokens on an
+        idle engine: one step per chunk of the token budget, nothing else in the batch.
+
+        The TTFT floor no router can beat: the bench's reference next to the ideal ratio.
+        """
+        steps = max(1, -(-tokens // max_num_batched_tokens))
+        return steps * self.step_overhead_s + self.prefill_s_per_token * tokens
+
     def step_time(self, prefill_tokens: int, decode_seqs: int, kv_blocks_read: int, cpu_loaded_blocks: int = 0) -> float:
         """Modelled seconds of one step (engine time, before ``--speedup``)."""
         return (
