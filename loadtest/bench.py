@@ -207,8 +207,7 @@ def run_policy(workload: Workload, spec: FleetSpec, policy: str, workdir: Path, 
         "router_overhead_ms": _mean_ms(router_metrics, "kvrouter_overhead_seconds"),
         "router_decision_probe_ms": overhead,
         "engine_prefix_hit_ratio": _ratio(engine_metrics, "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"),
-        "engine_ttft_s": {"p50": histogram_quantile(0.5, ttft_buckets), "p90": histogram_quantile(0.9, ttft_buckets),
-                          "p99": histogram_quantile(0.99, ttft_buckets)},
+        "engine_ttft_s": _engine_ttft(res, ttft_buckets),
         "engine_ttft_mean_s": _ratio(engine_metrics, "vllm:time_to_first_token_seconds_sum",
                                      "vllm:time_to_first_token_seconds_count"),
         "engine_queue_mean_s": _ratio(engine_metrics, "vllm:request_queue_time_seconds_sum",
@@ -241,6 +240,17 @@ def _run_with_progress(replayer: Replayer, workload: Workload, sampler: EngineSa
         task_id = bar.add_task(label, total=workload.num_requests)
         replayer.on_done = lambda rec: bar.update(task_id, advance=1)
         return asyncio.run(go())
+
+
+def _engine_ttft(res: ReplayResult, buckets: dict[float, float]) -> dict[str, float | None]:
+    """Engine TTFT quantiles: exact from each request's own figure where the engines report
+    it (the simulator does), else interpolated in the engines' histogram buckets."""
+    exact = [r.engine_ttft_s for r in res.records if r.ok and r.engine_ttft_s is not None]
+    if exact and len(exact) >= 0.9 * len(res.records):
+        q = percentiles(exact)
+        return {"p50": q["p50"], "p90": q["p90"], "p99": q["p99"]}
+    return {"p50": histogram_quantile(0.5, buckets), "p90": histogram_quantile(0.9, buckets),
+            "p99": histogram_quantile(0.99, buckets)}
 
 
 def _engine_buckets(fleet: Fleet, histogram: str) -> dict[float, float]:

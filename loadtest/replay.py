@@ -50,6 +50,8 @@ class RequestRecord:
     backend: str = NO_BACKEND
     ttft_s: float | None = None
     e2e_s: float | None = None
+    engine_ttft_s: float | None = None
+    """Engine seconds from arrival to first token, when the backend says (``kvrouter sim`` does)."""
     itl_s: list[float] = field(default_factory=list)
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -250,6 +252,9 @@ class Replayer:
                         rec.output_tokens = int(usage.get("completion_tokens") or 0)
                         details = usage.get("prompt_tokens_details") or {}
                         rec.cached_tokens = int(details.get("cached_tokens") or 0)
+                        sim = chunk.get("kvrouter_sim")
+                        if isinstance(sim, dict) and isinstance(sim.get("engine_ttft_s"), (int, float)):
+                            rec.engine_ttft_s = float(sim["engine_ttft_s"])
                 rec.text = "".join(pieces)
         except httpx.HTTPError as e:
             rec.error = f"{type(e).__name__}: {e}"[:200]

@@ -137,8 +137,9 @@ def write_markdown(path: Path, meta: dict[str, Any], runs: list[dict[str, Any]],
               "with that cache on an idle engine (the simulator's latency model, no queueing), the bound no",
               "routing can pass. Router overhead is wall milliseconds,",
               "the mean of the router's `kvrouter_overhead_seconds` (request body received to upstream request sent)",
-              "during the run. Engine TTFT is the engines' own `vllm:time_to_first_token_seconds` (p90 interpolated",
-              "in its buckets, as Prometheus' histogram_quantile does): it holds queueing and prefill but not the",
+              "during the run. Engine TTFT is each request's TTFT inside the engine, as the simulator reports it",
+              "(for engines that do not, the p90 is interpolated in `vllm:time_to_first_token_seconds`' buckets,",
+              "as Prometheus' histogram_quantile does): it holds queueing and prefill but not the",
               "router's and the client's own time, which a busy test machine inflates by the speedup factor.", ""]
     lines += [f"![{p}]({p})" for p in plots]
     path.write_text("\n".join(lines) + "\n")

@@ -51,6 +51,8 @@ def test_mooncake_slice_streams_and_reports_usage(engine: str) -> None:
         assert rec.prompt_tokens == len(turn.body["prompt"])
         assert rec.output_tokens == turn.body["max_tokens"]
         assert 0 < rec.ttft_s <= rec.e2e_s
+        # The simulator's own TTFT (engine seconds) fits inside what the client saw (wall x speedup).
+        assert rec.engine_ttft_s is not None and 0 < rec.engine_ttft_s <= rec.ttft_s * SPEEDUP
         assert len(rec.itl_s) == rec.output_tokens - 1 or rec.output_tokens == 1
     # Every request shares hash id 0 (512 tokens at scale 1, 64 here): later ones hit it.
     assert s["cached_tokens"] > 0

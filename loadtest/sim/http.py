@@ -95,6 +95,18 @@ def _usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
     }
 
 
+def _sim_timing(req: SimRequest) -> dict[str, Any]:
+    """The simulator's own extra on the usage chunk: the first prompt's TTFT in engine seconds.
+
+    vLLM reports TTFT only as a histogram, whose coarse buckets (1.0, 2.5, 5.0 s...) make a
+    p90 read off it land anywhere in a bucket; with this the bench gets every request's
+    exact engine TTFT. Clients ignore unknown fields; a real vLLM simply has none.
+    """
+    if req.first_token_at is None:
+        return {}
+    return {"kvrouter_sim": {"engine_ttft_s": round(req.first_token_at - req.arrival, 6)}}
+
+
 def create_app(inst: Instance) -> FastAPI:
     app = FastAPI(title="kvrouter sim", docs_url=None, redoc_url=None, openapi_url=None)
     model = inst.model_name
@@ -391,7 +403,7 @@ async def _stream(
                 yield b"".join(out)
         if include_usage:
             usage = _usage(sum(r.prompt_len for r in reqs), sum(r.num_output for r in reqs), sum(r.num_cached_tokens for r in reqs))
-            yield b"data: " + _json.encode({**head, "choices": [], "usage": usage}) + b"\n\n"
+            yield b"data: " + _json.encode({**head, "choices": [], "usage": usage, **_sim_timing(reqs[0])}) + b"\n\n"
         yield b"data: [DONE]\n\n"
     finally:
         for r in reqs:
