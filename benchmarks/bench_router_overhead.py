@@ -33,9 +33,6 @@ import argparse
 import asyncio
 import json
 import os
-import shutil
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,11 +46,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 from support import KVROUTER, QWEN3_DIR, Proc, free_port, free_ports, wait_http  # noqa: E402
 
+from loadtest.fleet import Engine  # noqa: E402
+from loadtest.peer import INSTALL_HINT, VllmRouter, vllm_router_binary  # noqa: E402
 from router.tokenize import PromptTokenizer  # noqa: E402
 
 MODEL = "qwen3-0.6b"
 SHAREGPT = REPO / "loadtest" / "data" / "traces" / "sharegpt_multiturn_150.json"
-VLLM_ROUTER = shutil.which("vllm-router") or str(Path(sys.executable).with_name("vllm-router"))
 
 
 # -- the null engine: the vLLM HTTP surface answering instantly --------------------------
@@ -242,28 +240,11 @@ def start_kvrouter(cfg: Path, log: Path) -> tuple[Proc, str]:
     return proc, f"http://127.0.0.1:{port}"
 
 
-def start_vllm_router(policy: str, workers: list[tuple[int, int | None]], log: Path) -> tuple[Proc, str]:
-    port = free_port()
-    args = [VLLM_ROUTER, "--host", "127.0.0.1", "--port", str(port), "--policy", policy, "--log-level", "warning",
-            "--worker-urls", *[f"http://127.0.0.1:{http}" for http, _ in workers], "--max-payload-size", str(64 << 20)]
-    if policy == "kv_aware":
-        for http, ev in workers:
-            args += ["--kv-event-source", f"http://127.0.0.1:{http}=tcp://127.0.0.1:{ev}"]
-        args += ["--kv-event-block-size", "16", "--kv-event-model", MODEL]
-    args += ["--prometheus-port", str(free_port())]
-    proc = Proc(args, log)
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}, timeout=5)
-            if r.status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if proc.popen.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"vllm-router ({policy}) did not start:\n{proc.log()}")
-        time.sleep(0.3)
-    return proc, f"http://127.0.0.1:{port}"
+def start_vllm_router(policy: str, workers: list[tuple[int, int | None]], workdir: Path) -> tuple[VllmRouter, str]:
+    engines = [Engine(f"w{i}", f"http://127.0.0.1:{http}", f"tcp://127.0.0.1:{ev}" if ev else "", "")
+               for i, (http, ev) in enumerate(workers)]
+    router = VllmRouter(engines, policy, workdir, model=MODEL).start(timeout_s=60)
+    return router, router.url
 
 
 def main() -> None:
@@ -275,7 +256,7 @@ def main() -> None:
     args = ap.parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_router_"))
-    procs: list[Proc] = []
+    procs: list[Proc | VllmRouter] = []
     results: dict[str, Any] = {"latency": [], "rps": {}}
     try:
         sim_http, sim_ev = free_ports(2), free_ports(2)
@@ -294,15 +275,15 @@ def main() -> None:
         router, router_url = start_kvrouter(tmp / "sim.yaml", tmp / "router.log")
         procs.append(router)
         targets = {"direct": f"http://127.0.0.1:{sim_http}", "kvrouter": router_url}
-        have_peer = not args.no_peer and Path(VLLM_ROUTER).exists()
+        have_peer = not args.no_peer and vllm_router_binary() is not None
         if have_peer:
             workers = [(sim_http + i, sim_ev + i) for i in range(2)]
             for name, policy in (("vllm-router rr", "round_robin"), ("vllm-router kv", "kv_aware")):
-                p, url = start_vllm_router(policy, workers, tmp / f"{policy}.log")
+                p, url = start_vllm_router(policy, workers, tmp)
                 procs.append(p)
                 targets[name] = url
         else:
-            print("vllm-router not installed (pip install vllm-router): peer comparison skipped")
+            print(f"vllm-router not installed ({INSTALL_HINT}): peer comparison skipped")
 
         texts = Texts()
         reps = args.reps
@@ -347,7 +328,7 @@ def main() -> None:
         procs.append(null_router)
         rps_targets = {"direct (null engine)": null_port, "kvrouter": int(null_router_url.rsplit(":", 1)[1])}
         if have_peer:
-            p, url = start_vllm_router("round_robin", [(null_port, None)], tmp / "rr-null.log")
+            p, url = start_vllm_router("round_robin", [(null_port, None)], tmp / "null")
             procs.append(p)
             rps_targets["vllm-router rr"] = int(url.rsplit(":", 1)[1])
         print(f"\nmax req/s, short chat requests, 64 keep-alive connections, {args.rps_seconds:.0f} s each:")

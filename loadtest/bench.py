@@ -13,6 +13,11 @@ its mean arrival rate is ``F x capacity``. The capacity is measured under round_
 the cache-oblivious baseline, so every policy is offered the same load and a policy
 that reuses more cache simply has more headroom. For multi-turn workloads the scaling
 applies to session starts (think times are kept).
+
+``--peer vllm-router[:POLICY]`` adds the Rust ``vllm-router`` as one more column, on its
+own fresh fleet like every policy (``loadtest/peer.py``). It names no backend in its
+answers and has no kvrouter ``/metrics``: its per-backend counts come from the engines'
+request counters and its router overhead is left empty.
 """
 
 from __future__ import annotations
@@ -31,7 +36,8 @@ import httpx
 
 from loadtest import report, workloads
 from loadtest.fleet import Fleet, FleetError, FleetSpec, Router, histogram_quantile, scrape, scrape_buckets
-from loadtest.replay import ReplayResult, Replayer, add_workload_args, load_workload, percentiles, write_records
+from loadtest.peer import VllmRouter, parse_peers, peer_policy
+from loadtest.replay import NO_BACKEND, ReplayResult, Replayer, add_workload_args, load_workload, percentiles, write_records
 from loadtest.workloads import Workload, WorkloadError
 
 DEFAULT_POLICIES = "round_robin,least_loaded,kv_aware"
@@ -190,16 +196,22 @@ class PolicyRun:
 
 def run_policy(workload: Workload, spec: FleetSpec, policy: str, workdir: Path, *, speedup: float,
                sample_interval_s: float, progress: bool) -> PolicyRun:
-    """One policy on a fresh fleet and router; returns its results.json entry and plot data."""
-    with Fleet(spec, workdir / policy) as fleet, Router(fleet, policy, workdir / policy) as router:
+    """One policy (kvrouter's, or a peer's ``vllm-router:POLICY``) on a fresh fleet and router;
+    returns its results.json entry and plot data."""
+    slug = policy.replace(":", "-")
+    with Fleet(spec, workdir / slug) as fleet, _router(fleet, policy, workdir / slug) as router:
         sampler = EngineSampler(fleet, sample_interval_s, spec.speedup)
         replayer = Replayer(router.url, spec.model, speedup=speedup, time_scale=spec.speedup)
         res = _run_with_progress(replayer, workload, sampler, policy, progress)
-        overhead = probe_overhead(router.url, list(workload.turns()), spec.model)
-        router_metrics = _try_scrape(router.url + "/metrics")
+        # A peer has no /debug/route, and its /metrics proxies an engine's page.
+        kvrouter = isinstance(router, Router)
+        overhead = probe_overhead(router.url, list(workload.turns()), spec.model) if kvrouter else None
+        router_metrics = _try_scrape(router.url + "/metrics") if kvrouter else {}
         engine_metrics = {e.name: _try_scrape(e.url + "/metrics") for e in fleet.engines}
         ttft_buckets = _engine_buckets(fleet, "vllm:time_to_first_token_seconds")
     summary = res.summary()
+    if set(summary["backend_requests"]) <= {NO_BACKEND}:
+        summary["backend_requests"] = _engine_requests(engine_metrics)
     result = {
         "policy": policy,
         **summary,
@@ -217,8 +229,19 @@ def run_policy(workload: Workload, spec: FleetSpec, policy: str, workdir: Path, 
                            if k.startswith("kvrouter_") and not k.endswith(("_bucket", "_created"))},
         "scrape_failures": sampler.failures,
     }
-    write_records(res.records, workdir / f"records-{policy}.jsonl")
+    write_records(res.records, workdir / f"records-{slug}.jsonl")
     return PolicyRun(result, report.PolicyTrace(policy, res.records, sampler.samples, spec.speedup))
+
+
+def _router(fleet: Fleet, policy: str, workdir: Path) -> Router | VllmRouter:
+    peer = peer_policy(policy)
+    return Router(fleet, policy, workdir) if peer is None else VllmRouter.for_fleet(fleet, peer, workdir)
+
+
+def _engine_requests(engine_metrics: dict[str, dict[str, float]]) -> dict[str, int]:
+    """Requests per engine from its own counter, for a router that does not name the backend
+    it picked (vllm-router): the fleet is fresh, so the counter holds this run's requests only."""
+    return {name: int(m.get("vllm:request_success_total", 0)) for name, m in sorted(engine_metrics.items())}
 
 
 def _run_with_progress(replayer: Replayer, workload: Workload, sampler: EngineSampler, label: str,
@@ -349,6 +372,9 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="shipped sample workload when no --trace is given (default mooncake)")
     p.add_argument("--backends", type=int, default=4, help="simulated engines (default 4)")
     p.add_argument("--policies", default=DEFAULT_POLICIES, help=f"comma-separated (default {DEFAULT_POLICIES})")
+    p.add_argument("--peer", action="append", default=[], metavar="vllm-router[:POLICY]",
+                   help="also run the Rust vllm-router, POLICY cache_aware (default) or kv_aware (fed by the "
+                        "engines' KV events); repeatable or comma-separated; needs pip install 'kvrouter[peers]'")
     p.add_argument("--max-requests", type=int, default=300, help="requests replayed per policy (default 300)")
     p.add_argument("--speedup", type=float, default=1.0, help="engines and trace clock both run X times faster")
     p.add_argument("--target-load", type=float, default=None,
@@ -368,7 +394,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
     path = args.trace or str(SAMPLE_TRACES[args.workload])
     fmt = args.format or (None if args.trace else args.workload)
     wl = load_workload(args, path, fmt)
-    policies = [x.strip() for x in args.policies.split(",") if x.strip()]
+    policies = [x.strip() for x in args.policies.split(",") if x.strip()] + parse_peers(args.peer)
     if not policies:
         raise WorkloadError("--policies names no policy")
     if args.backends < 1:
@@ -382,13 +408,14 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
 
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
+    from rich.markup import escape
 
     console = report.console()
     try:
         opt = options_from_args(args)
         results = run_bench(opt)
     except (WorkloadError, FleetError, ValueError) as e:
-        Console(stderr=True).print(f"[red]error:[/red] {e}")
+        Console(stderr=True).print(f"[red]error:[/red] {escape(str(e))}", soft_wrap=True)
         return 2
     console.print(report.rich_table(results["runs"], f"{opt.workload.name}: {opt.spec.backends} engines"))
     for line in report.comparison(results["runs"]):

@@ -92,8 +92,9 @@ def rich_table(runs: list[dict[str, Any]], title: str) -> Any:
     from rich.table import Table
 
     t = Table(title=title)
-    for i, c in enumerate(COLUMNS):
-        t.add_column(c, justify="left" if i == 0 else "right")
+    t.add_column(COLUMNS[0], no_wrap=True, min_width=max((len(r["policy"]) for r in runs), default=0))
+    for c in COLUMNS[1:]:
+        t.add_column(c, justify="right")
     for row in table_rows(runs):
         t.add_row(*row)
     return t
