@@ -293,7 +293,13 @@ def create_app(inst: Instance) -> FastAPI:
             raise ApiError(400, "seed must be an integer", "seed")
         if seed is None and body.get("temperature") != 0:
             seed = inst.sampling_rng.getrandbits(64)
-        prompts = prompts_of(body, chat)
+        if chat or isinstance(body.get("prompt"), str):
+            # Off the event loop: it runs every engine of this process (steps, streams,
+            # events), and rendering plus tokenizing a long text prompt holds it for tens of
+            # milliseconds (HF tokenizers release the GIL). Token-id prompts stay inline.
+            prompts = await asyncio.to_thread(prompts_of, body, chat)
+        else:
+            prompts = prompts_of(body, chat)
         if inst.faults.extra_latency_s > 0:
             await asyncio.sleep(inst.faults.extra_latency_s)
         engine = inst.engine
