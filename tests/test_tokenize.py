@@ -128,6 +128,17 @@ def _qwen3_variant(tmp_path: Path, edit: Any) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_file=str(path), eos_token="<|im_end|>")
 
 
+def test_long_segments_take_the_gil_free_path_and_tokenize_identically(qwen3: PromptTokenizer) -> None:
+    from router.tokenize import GIL_FREE_CHARS
+
+    readme = (REPO / "README.md").read_text()
+    for size in (GIL_FREE_CHARS - 1, GIL_FREE_CHARS, 5 * GIL_FREE_CHARS + 7):
+        text = f"[{size}] " + readme[:size]
+        chat = f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+        assert qwen3.encode(text) == qwen3.encode_full(text)
+        assert qwen3.encode(chat) == qwen3.encode_full(chat)
+
+
 def test_prefix_space_tokenizer_falls_back_to_full_tokenization(tmp_path: Path) -> None:
     def prefix_space(spec: dict[str, Any]) -> None:
         spec["pre_tokenizer"]["pretokenizers"][1]["add_prefix_space"] = True
