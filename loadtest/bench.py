@@ -176,12 +176,16 @@ def reference(workload: Workload, spec: FleetSpec) -> Reference:
 
     p = argparse.ArgumentParser()
     sim_cli.configure(p)
-    sim = p.parse_known_args(["--model", "m", "--tokenizer", "t", *spec.sim_args])[0]
+    blocks = ["--num-blocks", str(spec.num_blocks)] if spec.num_blocks else []
+    sim = p.parse_known_args(["--model", "m", "--tokenizer", "t", *blocks, *spec.sim_args])[0]
     latency = sim_cli.latency_from_args(sim)
+    # Prompts the engines reject (too long for the model or the KV pool) neither count nor cache.
+    limit = min(sim.max_model_len, (sim.num_blocks - 1) * spec.block_size)
     tok = load_tokenizer(spec.tokenizer)
+    prompts = (ids for ids in (workloads.prompt_ids(t, tok) for t in workload.turns()) if len(ids) < limit)
     cached = total = 0
     floor: list[float] = []
-    for n, c in workloads.ideal_hits((workloads.prompt_ids(t, tok) for t in workload.turns()), spec.block_size):
+    for n, c in workloads.ideal_hits(prompts, spec.block_size):
         total += n
         cached += c
         floor.append(latency.prefill_alone_s(n - c, sim.max_num_batched_tokens))
