@@ -35,8 +35,9 @@ bench: install
 	$(BIN)/python benchmarks/run_all.py
 
 # The README's policy tables and docs/ PNGs: the three workloads through every policy
-# (about 12 minutes on 2 cores). PEER='--peer vllm-router:cache_aware' adds that column.
+# next to the Rust vllm-router (about 15 minutes on 2 cores; PEER= leaves the peer out).
 BENCH_OUT := bench-out
+PEER ?= --peer vllm-router:cache_aware,vllm-router:kv_aware
 bench-policies: install
 	$(BIN)/kvrouter bench --out $(BENCH_OUT)/mooncake --workload mooncake --max-requests 600 --speedup 4 \
 	  --length-scale 0.25 --output-scale 0.1 --cpu-offload-blocks 65536 --target-load 0.8 \
