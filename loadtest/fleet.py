@@ -254,7 +254,17 @@ class Fleet(_Supervised):
             httpx.post(e.url + "/reset_prefix_cache", timeout=10.0)
 
 
-class Router(_Supervised):
+class _RouterProcess(_Supervised):
+    """A router child on a loopback port (``port`` is picked when it spawns)."""
+
+    port: int = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+class Router(_RouterProcess):
     """``kvrouter serve`` for a :class:`Fleet` with one policy, on a free port."""
 
     def __init__(self, fleet: Fleet, policy: str, workdir: Path, *, weights: dict[str, Any] | None = None) -> None:
@@ -262,11 +272,6 @@ class Router(_Supervised):
         self.policy = policy
         self.workdir = workdir
         self.weights = weights
-        self.port = 0
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
 
     def _spawn(self) -> list[str]:
         self.workdir.mkdir(parents=True, exist_ok=True)

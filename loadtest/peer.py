@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from loadtest.fleet import Child, Engine, Fleet, FleetError, _Supervised, free_port_run
+from loadtest.fleet import Child, Engine, Fleet, FleetError, _RouterProcess, free_port_run
 
 PEER = "vllm-router"
 PEER_POLICIES = ("cache_aware", "kv_aware")
@@ -59,7 +59,7 @@ def peer_policy(label: str) -> str | None:
     return policy if name == PEER and policy else None
 
 
-class VllmRouter(_Supervised):
+class VllmRouter(_RouterProcess):
     """``vllm-router`` with one policy over ``engines``, on free loopback ports.
 
     Ready when ``GET /readiness`` answers 200: it listens only after every worker passed
@@ -75,15 +75,10 @@ class VllmRouter(_Supervised):
         self.model = model
         self.block_size = block_size
         self.max_payload_bytes = max_payload_bytes
-        self.port = 0
 
     @classmethod
     def for_fleet(cls, fleet: Fleet, policy: str, workdir: Path) -> VllmRouter:
         return cls(fleet.engines, policy, workdir, model=fleet.spec.model, block_size=fleet.spec.block_size)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
 
     def _spawn(self) -> list[str]:
         exe = vllm_router_binary()
