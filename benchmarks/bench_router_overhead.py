@@ -146,6 +146,36 @@ async def timed(http: httpx.AsyncClient, url: str, body: dict[str, Any], stream:
     return time.perf_counter() - t0
 
 
+async def paired_latencies(urls: dict[str, str], bodies: dict[str, list[dict[str, Any]]], stream: bool) -> dict[str, list[float]]:
+    """One client, one request at a time, the targets taking turns request by request:
+    a slow spell of this shared machine then hits every target alike, and overhead is
+    the median of per-turn differences instead of a difference of two medians."""
+    clients = {t: httpx.AsyncClient(base_url=u, timeout=120) for t, u in urls.items()}
+    out: dict[str, list[float]] = {t: [] for t in urls}
+    try:
+        for t, http in clients.items():
+            await timed(http, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "warm up"}], "max_tokens": 1}, False)
+        for i in range(min(len(b) for b in bodies.values())):
+            for t, http in clients.items():
+                out[t].append(await timed(http, "/v1/chat/completions", bodies[t][i], stream))
+    finally:
+        for http in clients.values():
+            await http.aclose()
+    return out
+
+
+def tokenizer_ms(texts: Texts, size: int, n: int = 9) -> float:
+    """The tokenizer's own time for a fresh prompt of ``size`` tokens (render + encode,
+    median, one thread): the reference of the cold-prompt target."""
+    tok = PromptTokenizer.load(str(QWEN3_DIR), verify_rate=0.0)
+    out = []
+    for body in cold_bodies(texts, size, n):
+        t0 = time.perf_counter()
+        tok.encode_full(tok.render_chat(body))
+        out.append(time.perf_counter() - t0)
+    return sorted(out)[n // 2] * 1e3
+
+
 async def latencies(base: str, bodies: list[dict[str, Any]], stream: bool, concurrency: int) -> list[float]:
     sem = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
@@ -294,6 +324,11 @@ def main() -> None:
         seen, warm = warm_chat(texts, reps * 3)
         cases.append(("warm 10-turn 8k+200", warm, seen))
 
+        tok_ms = {case: tokenizer_ms(texts, int(case.split()[1][:-1]) * 1000) for case, _, prime in cases if prime is None}
+        results["tokenizer_ms"] = tok_ms
+        print("tokenizer's own time (render + encode, one thread, median): "
+              + ", ".join(f"{c} {v:.2f} ms" for c, v in tok_ms.items()))
+        print("c=1: targets take turns request by request; overhead = median of per-turn differences")
         print(f"{'case':22} {'mode':7} {'conc':>4} {'target':16} {'p50 ms':>8} {'p99 ms':>8} {'ovh p50':>8} {'ovh p99':>8}")
         for case, bodies, prime in cases:
             if prime is not None:
@@ -302,18 +337,21 @@ def main() -> None:
             for stream in (False, True):
                 for conc in (1, 32):
                     n = len(bodies) // 3 if conc == 1 else min(len(bodies), 2 * len(bodies) // 3)
-                    base: dict[str, float] = {}
-                    for ti, (target, url) in enumerate(targets.items()):
-                        # every target gets fresh prompts of the same size (cold stays cold)
-                        chunk = [dict(b) for b in bodies[:n]] if prime is not None else cold_bodies(texts, int(case.split()[1][:-1]) * 1000, n)
-                        before = router_side(url) if target == "kvrouter" else {}
-                        lat = asyncio.run(latencies(url, chunk, stream, conc))
-                        after = router_side(url) if target == "kvrouter" else {}
+                    # every target gets fresh prompts of the same size (cold stays cold)
+                    chunks = {t: [dict(b) for b in bodies[:n]] if prime is not None else cold_bodies(texts, int(case.split()[1][:-1]) * 1000, n)
+                              for t in targets}
+                    before = router_side(targets["kvrouter"])
+                    if conc == 1:
+                        lats = asyncio.run(paired_latencies(targets, chunks, stream))
+                    else:
+                        lats = {t: asyncio.run(latencies(url, chunks[t], stream, conc)) for t, url in targets.items()}
+                    after = router_side(targets["kvrouter"])
+                    base = {"p50": pct(lats["direct"], 0.5) * 1e3, "p99": pct(lats["direct"], 0.99) * 1e3}
+                    for target, lat in lats.items():
                         p50, p99 = pct(lat, 0.5) * 1e3, pct(lat, 0.99) * 1e3
-                        if target == "direct":
-                            base = {"p50": p50, "p99": p99}
+                        ovh50 = (pct([a - b for a, b in zip(lat, lats["direct"])], 0.5) * 1e3 if conc == 1 else p50 - base["p50"])
                         row = {"case": case, "stream": stream, "concurrency": conc, "target": target, "p50_ms": p50, "p99_ms": p99,
-                               "overhead_p50_ms": p50 - base["p50"], "overhead_p99_ms": p99 - base["p99"], "n": n}
+                               "overhead_p50_ms": ovh50, "overhead_p99_ms": p99 - base["p99"], "n": n}
                         if target == "kvrouter":
                             row.update({f"router_{k}_mean_ms": mean_ms(before, after, f"kvrouter_{k}_seconds") for k in ("overhead", "tokenize", "hash")})
                         results["latency"].append(row)
@@ -350,6 +388,16 @@ def main() -> None:
                     print(line)
         if "vllm-router rr" in results["rps"]:
             print(f"  req/s ratio kvrouter / vllm-router rr: {results['rps']['kvrouter'] / results['rps']['vllm-router rr']:.2f}x")
+        print("\ntargets (kvrouter, one client):")
+        for case, _, prime in cases:
+            for stream in (False, True):
+                row = next(r for r in results["latency"] if r["case"] == case and r["stream"] == stream
+                           and r["concurrency"] == 1 and r["target"] == "kvrouter")
+                limit = 2.0 if prime is not None else tok_ms[case] + 1.0
+                what = "warm: <= 2 ms" if prime is not None else f"cold: <= tokenizer {tok_ms[case]:.2f} + 1 ms"
+                verdict = "met" if row["overhead_p50_ms"] <= limit else "NOT met"
+                print(f"  {case:22} {'stream' if stream else 'whole':7} overhead p50 {row['overhead_p50_ms']:6.2f} ms  ({what}): {verdict}")
+        print(f"  short requests {results['rps']['kvrouter']:.0f} req/s (>= 800): {'met' if results['rps']['kvrouter'] >= 800 else 'NOT met'}")
         if args.json:
             args.json.write_text(json.dumps(results, indent=2))
     finally:

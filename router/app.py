@@ -20,6 +20,8 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
+import threading
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -35,6 +37,7 @@ from indexer.hashing import BlockHasher
 from indexer.index import Index, MemoryIndex, Worker
 from router import metrics
 from router.backends import BackendPool
+from router.cold import MIN_CHARS, HeadProbe
 from router.config import Config, Model
 from router.hash_cache import HashCache
 from router.errors import (
@@ -48,7 +51,7 @@ from router.errors import (
     UpstreamError,
     error_response,
 )
-from router.load import LoadTracker, scrape_forever
+from router.load import LoadTracker, Ticket, scrape_forever
 from router.policies import make_policy
 from router.policies.base import Candidate, Decision, Policy, RequestCtx
 from router.proxy import ProxyResponse, forwarded_headers
@@ -67,6 +70,9 @@ log = logging.getLogger(__name__)
 _decoder = msgspec.json.Decoder()
 _encoder = msgspec.json.Encoder()
 _STREAM_STATS_TTL_S = 0.5
+PENDING_WAIT_S = 1.0
+"""Longest a request waits for a deferred one with the same first block (its background
+tokenization normally takes as long as this request's own)."""
 INLINE_ID_TOKENS = 8192
 """Longest token-id prompt hashed on the event loop: a full cache miss of 512 blocks costs
 ~1.5 ms of SHA-256, still less than a thread hop under load (see Router._inline)."""
@@ -85,6 +91,7 @@ class ModelRuntime:
     backends: list[str]
     tier_weights: dict[str, float]
     tokenizer: PromptTokenizer | None = None
+    probe: HeadProbe | None = None
     tokenizer_error: str | None = None
     max_model_len: int | None = None
     lora: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -92,14 +99,32 @@ class ModelRuntime:
 
 
 @dataclass(slots=True)
+class Deferred:
+    """A cold prompt routed on its first block; the rest is tokenized after it is sent."""
+
+    text: str
+    add_special: bool
+    head: list[int]
+    keys: list[int]
+    estimate: int
+    lora: dict[str, Any] | None
+    salt: str | None
+    body: dict[str, Any]
+    kind: str
+
+
+@dataclass(slots=True)
 class Prepared:
-    """A request tokenized, hashed and matched, ready for a policy."""
+    """A request tokenized, hashed and matched, ready for a policy (``deferred``: only
+    its first block so far, see :meth:`Router.settle_later`)."""
 
     runtime: ModelRuntime
     token_ids: list[int]
     ctx: RequestCtx
     candidates: list[Candidate]
     decision: Decision
+    deferred: Deferred | None = None
+    backend: str = ""
 
 
 class Router:
@@ -114,6 +139,9 @@ class Router:
         # Two workers: tokenization holds the GIL for its Python part (template rendering), so
         # more threads would only contend with the event loop for it.
         self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
+        self.background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="settle", initializer=_lower_priority)
+        """Deferred requests' tokenization: off every request's critical path, so it runs
+        at a lower OS priority and yields the cores to the event loop and the tokenize pool."""
         self.models: dict[str, ModelRuntime] = {}
         self.served: dict[str, tuple[ModelRuntime, dict[str, Any] | None]] = {}
         for m in config.models:
@@ -142,6 +170,9 @@ class Router:
         self._background: set[asyncio.Task[Any]] = set()
         self._stream_stats: dict[Worker, Any] = {}
         self._stream_stats_at = 0.0
+        self._pending: dict[tuple[str, int], asyncio.Future[None]] = {}
+        """Deferred requests whose full tokenization is running, by (model, block 0 key):
+        a request with the same first block waits for it instead of deciding blind."""
         self._unregister_metrics: Any = None
         self.stream_registry = CollectorRegistry(auto_describe=True)
         """The subscriber's own series, exposed through :class:`metrics.FleetCollector` so
@@ -186,6 +217,7 @@ class Router:
             self._unregister_metrics()
         await self.pool.aclose()
         self.executor.shutdown(wait=False, cancel_futures=True)
+        self.background.shutdown(wait=False, cancel_futures=True)
         close = getattr(self.index, "aclose", None)
         if close is not None:
             await close()
@@ -201,6 +233,7 @@ class Router:
             return
         try:
             rt.tokenizer = await loop.run_in_executor(self.executor, load_tokenizer, rt.config.tokenizer)
+            rt.probe = HeadProbe(rt.tokenizer, rt.config.name)
         except TokenizeError as e:
             if rt.config.tokenizer_mode == "local":
                 raise
@@ -269,27 +302,51 @@ class Router:
             raise UnknownModel(f"The model `{model}` does not exist.")
         return served
 
-    async def prepare(self, body: dict[str, Any], raw_len: int, kind: str, headers: Any) -> Prepared:
-        """Tokenize, hash, look up and decide (no side effects: /debug/route uses it too)."""
+    async def prepare(self, body: dict[str, Any], raw_len: int, kind: str, headers: Any, *, defer: bool = False) -> Prepared:
+        """Tokenize, hash, look up and decide (no side effects: /debug/route uses it too).
+
+        With ``defer`` a long prompt whose first block is unknown everywhere is decided on
+        that block alone (:mod:`router.cold`); the caller then owes :meth:`settle_later`."""
         started = time.perf_counter()
         rt, lora = self.runtime_for(body)
         _validate_fields(body, kind)
+        salt = body.get("cache_salt")
+        if salt is not None and not isinstance(salt, str):
+            raise BadRequest("'cache_salt' must be a string")
         forced_reason = None
-        try:
-            token_ids, all_lengths, keys = await self._tokens_and_keys(rt, body, kind, raw_len, lora)
-        except UnsupportedPrompt as e:
-            log.debug("routing without cache information: %s", e)
-            token_ids, all_lengths, keys, forced_reason = [], [], [], "fallback"
-        self._check_length(rt, body, all_lengths)
-        t_lookup = time.perf_counter()
-        hits = await self.index.lookup(rt.config.name, keys) if keys else {}
-        metrics.child(metrics.LOOKUP_SECONDS, rt.config.name).observe(time.perf_counter() - t_lookup)
+        rendered = deferred = None
+        if defer and self.settings.defer_cold_prompts and raw_len >= MIN_CHARS:
+            rendered, deferred = self._probe(rt, body, kind, lora, salt)
+            if deferred is not None:
+                hits = await self._lookup(rt, deferred.keys)
+                outcome = "deferred"
+                if hits or self._remembered(rt, deferred.keys) or (rt.config.name, deferred.keys[0]) in self._pending:
+                    outcome = "known"
+                elif not self._fits(rt, body, rt.probe.max_tokens(deferred.text, deferred.add_special)):  # type: ignore[union-attr]
+                    outcome = "ineligible"
+                metrics.child(metrics.COLD_PATH, rt.config.name, outcome).inc()
+                if outcome != "deferred":
+                    deferred = None
+        if deferred is not None:
+            token_ids: list[int] = []
+            keys, num_tokens = deferred.keys, deferred.estimate
+        else:
+            try:
+                token_ids, all_lengths, keys = await self._tokens_and_keys(rt, body, kind, raw_len, lora, salt, rendered)
+            except UnsupportedPrompt as e:
+                log.debug("routing without cache information: %s", e)
+                token_ids, all_lengths, keys, forced_reason = [], [], [], "fallback"
+            self._check_length(rt, body, all_lengths)
+            if keys:
+                await self._after_pending(rt.config.name, keys[0])
+            hits = await self._lookup(rt, keys) if keys else {}
+            num_tokens = len(token_ids)
         candidates = self._candidates(rt, hits)
         if not any(c.healthy for c in candidates):
             raise NoHealthyBackend(f"no healthy backend for model {rt.config.name!r}")
         ctx = RequestCtx(
             model=rt.config.name,
-            num_tokens=len(token_ids),
+            num_tokens=num_tokens,
             block_size=rt.config.block_size,
             keys=keys,
             session_key=_session_key(body, headers, self.settings.session_header),
@@ -299,14 +356,117 @@ class Router:
         if forced_reason is not None:
             decision.reason = forced_reason
         decision.detail["prepare_s"] = time.perf_counter() - started
-        return Prepared(rt, token_ids, ctx, candidates, decision)
+        if deferred is not None:
+            decision.detail["deferred_tokens"] = num_tokens
+        return Prepared(rt, token_ids, ctx, candidates, decision, deferred)
+
+    async def _lookup(self, rt: ModelRuntime, keys: list[int]) -> dict[Worker, dict[str, int]]:
+        t0 = time.perf_counter()
+        hits = await self.index.lookup(rt.config.name, keys)
+        metrics.child(metrics.LOOKUP_SECONDS, rt.config.name).observe(time.perf_counter() - t0)
+        return hits
+
+    def _probe(
+        self, rt: ModelRuntime, body: dict[str, Any], kind: str, lora: dict[str, Any] | None, salt: str | None
+    ) -> tuple[tuple[str, bool] | None, Deferred | None]:
+        """The rendered prompt (reused by the full path) and, for a long one, a deferral
+        candidate: its first block's key and estimated length (see :mod:`router.cold`)."""
+        probe, tok = rt.probe, rt.tokenizer
+        if probe is None or tok is None or rt.guard.mode == "remote":
+            return None, None
+        try:
+            prompt = tok.prompt_text(body, kind)
+        except UnsupportedPrompt:
+            return None, None
+        except TokenizeError as e:
+            raise BadRequest(str(e)) from e
+        if prompt is None or len(prompt[0]) < MIN_CHARS:
+            return prompt, None
+        if not probe.enabled:
+            metrics.child(metrics.COLD_PATH, rt.config.name, "disabled").inc()
+            return prompt, None
+        text, add_special = prompt
+        got = probe.head_ids(text, add_special, rt.config.block_size)
+        if got is None:
+            metrics.child(metrics.COLD_PATH, rt.config.name, "ineligible").inc()
+            return prompt, None
+        head, per_char = got
+        keys = rt.hash_cache.hash_int64(head, lora=lora, cache_salt=salt)
+        estimate = max(len(head), round(len(text) * per_char))
+        return prompt, Deferred(text, add_special, head, keys, estimate, lora, salt, body, kind)
+
+    @staticmethod
+    def _fits(rt: ModelRuntime, body: dict[str, Any], bound: int) -> bool:
+        """Whether a prompt of at most ``bound`` tokens surely passes :meth:`_check_length`."""
+        try:
+            Router._check_length(rt, body, [bound])
+        except PromptTooLong:
+            return False
+        return True
+
+    @staticmethod
+    def _remembered(rt: ModelRuntime, keys: list[int]) -> bool:
+        remembers = getattr(rt.policy, "remembers", None)
+        return bool(remembers is not None and remembers(keys))
+
+    async def _after_pending(self, model: str, first_key: int) -> None:
+        """Wait (bounded) for a deferred request with the same first block to finish
+        tokenizing, so this decision sees its keys (a burst follows its first request)."""
+        done = self._pending.get((model, first_key))
+        if done is not None:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(done), PENDING_WAIT_S)
+
+    def settle_later(self, prepared: Prepared, ticket: Ticket) -> None:
+        """Tokenize and hash a deferred request in the background, then give the policy
+        its keys and the load ticket its exact size. Called right after the decision,
+        before any await, so a request with the same first block finds it pending."""
+        key = (prepared.runtime.config.name, prepared.ctx.keys[0])
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._pending[key] = done
+        self._spawn(self._settle(prepared, ticket, key, done))
+
+    async def _settle(self, prepared: Prepared, ticket: Ticket, key: tuple[str, int], done: asyncio.Future[None]) -> None:
+        rt, d = prepared.runtime, prepared.deferred
+        assert d is not None and rt.probe is not None
+        try:
+            loop = asyncio.get_running_loop()
+            ids, keys = await loop.run_in_executor(self.background, self._tokenize_deferred, rt, d)
+            rt.probe.check(d.head, ids)
+            ticket.settle(keys, len(ids))
+            remember = getattr(rt.policy, "remember", None)
+            if remember is not None:
+                remember(keys, prepared.backend or prepared.decision.backend)
+            if rt.guard.should_check():
+                self._spawn(self._parity_check(rt, d.body, d.kind, ids))
+        except Exception as e:  # noqa: BLE001 - the request is already on its way; keep its estimate
+            log.warning("background tokenization of a deferred %s request failed: %r", rt.config.name, e)
+            metrics.child(metrics.COLD_PATH, rt.config.name, "settle_error").inc()
+        finally:
+            self._pending.pop(key, None)
+            done.set_result(None)
+
+    @staticmethod
+    def _tokenize_deferred(rt: ModelRuntime, d: Deferred) -> tuple[list[int], list[int]]:
+        assert rt.tokenizer is not None
+        t0 = time.perf_counter()
+        ids = rt.tokenizer.text_ids(d.text, d.add_special)
+        t1 = time.perf_counter()
+        keys = rt.hash_cache.hash_int64(ids, lora=d.lora, cache_salt=d.salt)
+        metrics.child(metrics.TOKENIZE_SECONDS, rt.config.name).observe(t1 - t0)
+        metrics.child(metrics.HASH_SECONDS, rt.config.name).observe(time.perf_counter() - t1)
+        return ids, keys
 
     async def _tokens_and_keys(
-        self, rt: ModelRuntime, body: dict[str, Any], kind: str, raw_len: int, lora: dict[str, Any] | None
+        self,
+        rt: ModelRuntime,
+        body: dict[str, Any],
+        kind: str,
+        raw_len: int,
+        lora: dict[str, Any] | None,
+        salt: str | None,
+        rendered: tuple[str, bool] | None = None,
     ) -> tuple[list[int], list[int], list[int]]:
-        salt = body.get("cache_salt")
-        if salt is not None and not isinstance(salt, str):
-            raise BadRequest("'cache_salt' must be a string")
         if rt.guard.mode == "remote" or rt.tokenizer is None:
             prompts = await self._remote_prompts(rt, body, kind)
             first = prompts[0] if prompts else []
@@ -317,7 +477,7 @@ class Router:
             # A shape hint only: completion_ids validates every id, inline or not.
             ids = prompt if isinstance(prompt, list) and prompt and type(prompt[0]) is int else None
             inline = self._inline(raw_len, ids)
-            first, lengths, keys = await self._offload(inline, self._local, rt, body, kind, lora, salt)
+            first, lengths, keys = await self._offload(inline, self._local, rt, body, kind, lora, salt, rendered)
         except (TokenizeError, RouterError):
             raise
         except Exception as e:  # noqa: BLE001 - a tokenizer crash must not fail the request
@@ -353,13 +513,22 @@ class Router:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
     def _local(
-        self, rt: ModelRuntime, body: dict[str, Any], kind: str, lora: dict[str, Any] | None, salt: str | None
+        self,
+        rt: ModelRuntime,
+        body: dict[str, Any],
+        kind: str,
+        lora: dict[str, Any] | None,
+        salt: str | None,
+        rendered: tuple[str, bool] | None = None,
     ) -> tuple[list[int], list[int], list[int]]:
         tok = rt.tokenizer
         assert tok is not None
         t0 = time.perf_counter()
         try:
-            if kind == "chat":
+            if rendered is not None:  # one text, no truncation: see PromptTokenizer.prompt_text
+                first = tok.text_ids(*rendered)
+                lengths = [len(first)]
+            elif kind == "chat":
                 first = tok.chat_ids(body)
                 lengths = [len(first)]
             else:
@@ -459,6 +628,7 @@ class Router:
         """The request is being sent to ``backend``: let the policy learn, count the decision."""
         rt, ctx, decision = prepared.runtime, prepared.ctx, prepared.decision
         name = rt.config.name
+        prepared.backend = backend
         if backend != decision.backend:
             # A retry after the chosen backend failed before answering.
             rt.policy.commit(ctx, Decision(backend, "fallback", decision.order))
@@ -489,6 +659,15 @@ class Router:
             raise NoHealthyBackend(f"no healthy backend for model {rt.config.name!r}")
         names.sort(key=lambda n: self.loads.get(n).effective_in_flight())
         return rt, names
+
+
+BACKGROUND_NICE = 10
+
+
+def _lower_priority() -> None:
+    """Lower the calling thread's scheduling priority (Linux: threads have their own nice)."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
 
 
 def _make_index(spec: str) -> Index:
@@ -610,12 +789,14 @@ def create_app(config: Config, index: Index | None = None) -> FastAPI:
     async def openai(request: Request, kind: str, path: str) -> Response:
         check_key(request)
         raw, body, started = await read_json(request)
-        prepared = await router.prepare(body, len(raw), kind, request.headers)
+        prepared = await router.prepare(body, len(raw), kind, request.headers, defer=True)
         chosen = prepared.decision.backend
         prefill = router.prefill_tokens(prepared)
         # Taken before the next await so the next decision already sees this request.
         ticket = router.loads.acquire(chosen, prepared.ctx.keys, prefill[chosen])
         router.commit(prepared, chosen)
+        if prepared.deferred is not None:
+            router.settle_later(prepared, ticket)
         return ProxyResponse(
             pool=router.pool,
             loads=router.loads,

@@ -123,6 +123,9 @@ class RouterSettings(_Strict):
     breaker_cooldown_s: float = Field(default=5.0, gt=0)
     max_connections_per_backend: int = Field(default=512, ge=1)
     inline_tokenize_bytes: int = Field(default=2048, ge=0)
+    defer_cold_prompts: bool = True
+    """Send a prompt whose first block nobody holds before tokenizing all of it; the
+    full tokenization finishes in the background (router/cold.py)."""
     subscribe_events: bool | None = None
     """Follow the backends' KV-event streams in this process. Default: yes with the
     in-memory index, no with Redis (the standalone ``kvrouter indexer`` fills it)."""

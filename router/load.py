@@ -107,6 +107,20 @@ class Ticket:
             self.load.prefill_tokens -= self.prefill
             self.load.decode_seqs += 1
 
+    def settle(self, keys: list[int], prefill: int) -> None:
+        """Replace the estimate a deferred request was sent with (its first block key and
+        a token count from the text's length) by its exact keys and prefill tokens."""
+        if self.phase == 2:
+            return
+        if self.phase == 0:
+            self.load.prefill_tokens += prefill - self.prefill
+        self.prefill = prefill
+        self._unref()
+        self.keys = keys
+        refs = self.load.block_refs
+        for k in keys:
+            refs[k] = refs.get(k, 0) + 1
+
     def release(self) -> None:
         if self.phase == 2:
             return
@@ -117,7 +131,10 @@ class Ticket:
             load.decode_seqs -= 1
         self.phase = 2
         load.in_flight -= 1
-        refs = load.block_refs
+        self._unref()
+
+    def _unref(self) -> None:
+        refs = self.load.block_refs
         for k in self.keys:
             n = refs.get(k, 0)
             if n <= 1:

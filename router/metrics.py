@@ -77,6 +77,14 @@ TOKENIZER_FALLBACKS = Counter(
     ["model", "reason"],
 )
 
+COLD_PATH = Counter(
+    "kvrouter_cold_path",
+    "Long single-text prompts by first-block probe outcome: deferred (sent before the full tokenization), "
+    "known (block 0 held, recently routed or being tokenized: full path), ineligible (length bound, probe "
+    "found no whole block), disabled (tokenizer not byte-level or a probe mismatch)",
+    ["model", "outcome"],
+)
+
 
 _CHILDREN: dict[tuple[int, tuple[str, ...]], Any] = {}
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import get_args
 
@@ -50,6 +51,9 @@ def run(args: argparse.Namespace) -> int:
     from router.app import create_app
 
     sys.setswitchinterval(SWITCH_INTERVAL_S)
+    # One prompt per encode call: rayon's pool adds threads (and scheduling) and no speed,
+    # and it would run deferred tokenization outside the lowered-priority thread.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
     try:
         app = create_app(config)

@@ -212,6 +212,32 @@ class PromptTokenizer:
     def segment_enabled(self) -> bool:
         return self.segment_disabled_reason is None
 
+    @property
+    def backend(self) -> Any:
+        """The ``tokenizers.Tokenizer`` behind the HF wrapper (None for slow tokenizers)."""
+        return self._backend
+
+    @property
+    def special_prefix(self) -> list[int] | None:
+        """The ids ``add_special_tokens=True`` puts before the text, None if unknown."""
+        return self._special_prefix
+
+    @property
+    def special_count(self) -> int:
+        """How many ids ``add_special_tokens=True`` adds around the text (an upper bound)."""
+        if self._special_prefix is None or self._special_suffix is None:
+            return 8
+        return len(self._special_prefix) + len(self._special_suffix)
+
+    def cut_outside_added(self, text: str, cut: int) -> int:
+        """``cut``, moved back to the start of an added token it would split."""
+        if self._split_re is not None:
+            longest = max(map(len, self._added))
+            for m in self._split_re.finditer(text, max(0, cut - longest), cut + longest):
+                if m.start() < cut < m.end():
+                    return m.start()
+        return cut
+
     # -- plain text -------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
@@ -275,6 +301,22 @@ class PromptTokenizer:
         if not isinstance(text, str):
             raise TokenizeError("chat template did not render a string")
         return text
+
+    def prompt_text(self, body: dict[str, Any], kind: str) -> tuple[str, bool] | None:
+        """The text and ``add_special_tokens`` of a request whose prompt is one text with
+        no left truncation, else None (token ids, several prompts, embeddings)."""
+        if not isinstance(body, dict) or body.get("truncate_prompt_tokens") is not None:
+            return None
+        if kind == "chat":
+            return self.render_chat(body), _bool(body, "add_special_tokens", False)
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str) or body.get("prompt_embeds") is not None:
+            return None
+        return prompt, _bool(body, "add_special_tokens", True)
+
+    def text_ids(self, text: str, add_special: bool) -> list[int]:
+        """The ids of a prompt :meth:`prompt_text` returned (an empty prompt is an error)."""
+        return self._truncate(self.encode(text, add_special), None, add_special)
 
     def chat_ids(self, body: dict[str, Any]) -> list[int]:
         """Exact prompt ids vLLM 0.33 uses for a ``/v1/chat/completions`` body."""

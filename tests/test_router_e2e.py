@@ -24,6 +24,7 @@ import openai
 import pytest
 import uvicorn
 import yaml
+from prometheus_client import REGISTRY
 
 from router.app import create_app
 from router.config import parse_config
@@ -413,6 +414,57 @@ def test_burst_sharing_a_new_prefix_follows_the_first_request(fleet: dict[str, A
         assert explained["backend"] == leader and explained["reason"] in ("cache_hit", "speculative_hit")
         lead = next(c for c in explained["candidates"] if c["backend"] == leader)
         assert max(lead["matched_blocks"], lead["speculative_blocks"]) >= probe["num_tokens"] // 16 - 1
+        wait_idle(r.url)
+
+
+# -- cold prompts: sent on their first block, tokenized in the background ------------------
+
+
+def _cold(outcome: str) -> float:
+    return REGISTRY.get_sample_value("kvrouter_cold_path_total", {"model": MODEL, "outcome": outcome}) or 0.0
+
+
+def test_cold_prompt_is_sent_before_its_full_tokenization_then_settled(fleet: dict[str, Any]) -> None:
+    with InProcessRouter(fleet_config(fleet, policy="kv_aware")) as r:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": unique_text(600)}], "max_tokens": 3000, "min_tokens": 3000, "stream": True}
+        deferred, checks = _cold("deferred"), REGISTRY.get_sample_value("kvrouter_cold_head_checks_total", {"model": MODEL}) or 0.0
+        with httpx.stream("POST", r.url + "/v1/chat/completions", json=body, timeout=60) as resp:
+            assert resp.status_code == 200
+            backend = resp.headers["x-kvrouter-backend"]
+            chunks = resp.iter_raw()  # kept referenced: a dropped generator closes the stream
+            next(chunks)
+            assert _cold("deferred") == deferred + 1
+            # The background job replaces the length estimate by the exact keys on the ticket.
+            expected = httpx.post(r.url + "/debug/route", json=body).json()["num_blocks"]
+            deadline = time.monotonic() + 10
+            while True:
+                load = next(b["load"] for b in httpx.get(r.url + "/debug/backends").json()["backends"] if b["name"] == backend)
+                if load["active_blocks"] == expected or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            assert load["active_blocks"] == expected, (load, expected)
+            for _ in chunks:
+                pass
+        assert (REGISTRY.get_sample_value("kvrouter_cold_head_checks_total", {"model": MODEL}) or 0.0) == checks + 1
+        assert not REGISTRY.get_sample_value("kvrouter_cold_head_mismatches_total", {"model": MODEL})
+        wait_idle(r.url)
+        # Sent again, the prompt is known (speculative insertion of the full keys, then events):
+        # the full path runs and the request follows the first one with a cache hit.
+        known = _cold("known")
+        again = httpx.post(r.url + "/v1/chat/completions", json={**body, "stream": False}, timeout=60)
+        assert again.status_code == 200 and again.headers["x-kvrouter-backend"] == backend
+        assert again.headers["x-kvrouter-reason"] in ("cache_hit", "speculative_hit")
+        assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16 * (expected - 1)
+        assert _cold("known") == known + 1
+        wait_idle(r.url)
+
+
+def test_cold_deferral_can_be_switched_off(fleet: dict[str, Any]) -> None:
+    with InProcessRouter(fleet_config(fleet, policy="kv_aware", defer_cold_prompts=False)) as r:
+        before = _cold("deferred")
+        body = {"model": MODEL, "messages": [{"role": "user", "content": unique_text(600)}], "max_tokens": 2}
+        assert httpx.post(r.url + "/v1/chat/completions", json=body, timeout=60).status_code == 200
+        assert _cold("deferred") == before
         wait_idle(r.url)
 
 

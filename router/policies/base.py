@@ -73,6 +73,16 @@ class Policy(Protocol):
     def commit(self, ctx: RequestCtx, decision: Decision) -> None: ...
 
 
+class PrefixMemory(Protocol):
+    """What a policy that remembers its own decisions by prefix (kv_aware, prefix_approx)
+    adds: the router asks whether a prompt's first block was routed recently before it
+    sends a cold prompt untokenized, and hands over the full keys once they are known."""
+
+    def remember(self, keys: list[int], backend: str) -> None: ...
+
+    def remembers(self, keys: list[int]) -> bool: ...
+
+
 def healthy(candidates: list[Candidate]) -> list[Candidate]:
     return [c for c in candidates if c.healthy]
 

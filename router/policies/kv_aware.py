@@ -92,7 +92,15 @@ class KvAware:
         return Decision(chosen.backend, reason, order, detail)
 
     def commit(self, ctx: RequestCtx, decision: Decision) -> None:
-        self.speculative.insert(ctx.keys, decision.backend)
+        self.remember(ctx.keys, decision.backend)
+
+    def remember(self, keys: list[int], backend: str) -> None:
+        """Speculative insertion (also of a deferred request's keys once they are known)."""
+        self.speculative.insert(keys, backend)
+
+    def remembers(self, keys: list[int]) -> bool:
+        """Whether the router sent the prefix ``keys`` somewhere recently."""
+        return bool(self.speculative.match(keys)) if len(self.speculative) else False
 
     def _sample(self, ranked: list[Candidate]) -> Candidate:
         lo, hi = ranked[0].score, ranked[-1].score

@@ -56,4 +56,10 @@ class PrefixApprox:
         return Decision(chosen.backend, reason, order, {"matched_blocks": chosen.matched_blocks})
 
     def commit(self, ctx: RequestCtx, decision: Decision) -> None:
-        self.tree.insert(ctx.keys, decision.backend)
+        self.remember(ctx.keys, decision.backend)
+
+    def remember(self, keys: list[int], backend: str) -> None:
+        self.tree.insert(keys, backend)
+
+    def remembers(self, keys: list[int]) -> bool:
+        return bool(self.tree.match(keys))

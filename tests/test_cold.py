@@ -1,0 +1,102 @@
+"""The first-block probe (router/cold.py): ids from a text prefix equal full tokenization's.
+
+Real Qwen3 tokenizer, real texts: the golden chat renderings, ShareGPT turns cut at
+random places, and texts built to break a naive prefix cut (whitespace runs, words
+longer than the probe, CJK, combining marks, a cut inside an added token).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from prometheus_client import REGISTRY
+
+from router.cold import MAX_PROBE_CHARS, HeadProbe
+from router.tokenize import PromptTokenizer
+from support import GOLDEN, QWEN3_DIR, REPO
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def probe() -> HeadProbe:
+    return HeadProbe(PromptTokenizer.load(str(QWEN3_DIR), verify_rate=0.0))
+
+
+def _check(probe: HeadProbe, text: str, add_special: bool = False, n: int = BLOCK) -> bool:
+    """True when the probe answered; it must then equal the full ids' head."""
+    got = probe.head_ids(text, add_special, n)
+    if got is None:
+        return False
+    head, per_char = got
+    full = probe.tok.encode_full(text, add_special)
+    assert head == full[:n], (text[:80], head, full[:n])
+    assert per_char > 0
+    assert len(full) <= probe.max_tokens(text, add_special)
+    return True
+
+
+def test_qwen3_is_eligible(probe: HeadProbe) -> None:
+    assert probe.enabled, probe.disabled_reason
+
+
+def test_golden_renderings(probe: HeadProbe) -> None:
+    answered = 0
+    for line in (GOLDEN / "render_vectors_vllm-0.33.0_qwen3-0.6b-tok.jsonl").open():
+        case = json.loads(line)
+        text = case.get("prompt_text")
+        if text is None:
+            continue
+        for n in (4, BLOCK, 32):
+            answered += _check(probe, text, n=n)
+    assert answered > 40
+
+
+def test_sharegpt_texts_cut_anywhere(probe: HeadProbe) -> None:
+    convs = json.loads((REPO / "loadtest" / "data" / "traces" / "sharegpt_multiturn_150.json").read_text())
+    rng = random.Random(7)
+    texts = [t["value"] for c in convs for t in c["conversations"] if len(t["value"]) > 300]
+    answered = 0
+    for text in rng.sample(texts, 300):
+        start = rng.randrange(0, len(text) // 2)
+        answered += _check(probe, text[start:], add_special=rng.random() < 0.5, n=rng.choice((BLOCK, 32, 64)))
+    assert answered > 250
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "word " * 40 + " " * 500 + "tail",  # a whitespace run across the first cut
+        "a" * 300 + " b" * 200,  # a word longer than the first probe
+        "x" * (MAX_PROBE_CHARS * 2),  # one word longer than any probe: no answer
+        "我们今天讨论缓存路由的设计" * 60,  # CJK: several tokens per character
+        ("cafe\u0301 " * 200),  # combining marks the NFC normalizer composes
+        "<|im_start|>user\n" + "Hello there. " * 19 + "<|im_end|>" * 30,  # added tokens around the cut
+        "\n\n\n" * 100 + "text " * 100,
+        "123456789" * 100,
+        "It's what they'd've done. " * 40,
+    ],
+)
+def test_adversarial_cuts(probe: HeadProbe, text: str) -> None:
+    answered = _check(probe, text)
+    if len(set(text)) == 1:
+        assert not answered  # no word boundary within MAX_PROBE_CHARS: the full path is taken
+
+
+def test_cut_never_splits_an_added_token(probe: HeadProbe) -> None:
+    text = "abc<|im_start|>def"
+    for cut in range(len(text) + 1):
+        moved = probe.tok.cut_outside_added(text, cut)
+        assert moved == (3 if 3 < cut < 15 else cut)
+
+
+def test_mismatch_disables_the_probe() -> None:
+    probe = HeadProbe(PromptTokenizer.load(str(QWEN3_DIR), verify_rate=0.0))
+    before = REGISTRY.get_sample_value("kvrouter_cold_head_mismatches_total", {"model": probe.model}) or 0.0
+    assert probe.check([1, 2, 3], [1, 2, 3, 4])
+    assert probe.enabled
+    assert not probe.check([1, 2, 3], [1, 2, 4, 4])
+    assert not probe.enabled and "mismatch" in (probe.disabled_reason or "")
+    assert REGISTRY.get_sample_value("kvrouter_cold_head_mismatches_total", {"model": probe.model}) == before + 1
