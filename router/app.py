@@ -73,6 +73,10 @@ _STREAM_STATS_TTL_S = 0.5
 PENDING_WAIT_S = 1.0
 """Longest a request waits for a deferred one with the same first block (its background
 tokenization normally takes as long as this request's own)."""
+INLINE_UNCACHED_CHARS = 2048
+"""A rendered prompt whose segments not yet in the segment cache total at most this many
+characters is tokenized on the event loop: a re-sent history plus a new turn costs a
+few hundred microseconds there, less than the hop to the tokenizer pool and back."""
 INLINE_ID_TOKENS = 8192
 """Longest token-id prompt hashed on the event loop: a full cache miss of 512 blocks costs
 ~1.5 ms of SHA-256, still less than a thread hop under load (see Router._inline)."""
@@ -96,6 +100,15 @@ class ModelRuntime:
     max_model_len: int | None = None
     lora: dict[str, dict[str, Any]] = field(default_factory=dict)
     has_events: bool = False
+
+
+@dataclass(slots=True)
+class Rendered:
+    """A single-text prompt rendered once per request (see PromptTokenizer.prompt_text)."""
+
+    text: str
+    add_special: bool
+    uncached_chars: int
 
 
 @dataclass(slots=True)
@@ -322,8 +335,10 @@ class Router:
                 outcome = "deferred"
                 if hits or self._remembered(rt, deferred.keys) or (rt.config.name, deferred.keys[0]) in self._pending:
                     outcome = "known"
-                elif not self._fits(rt, body, rt.probe.max_tokens(deferred.text, deferred.add_special)):  # type: ignore[union-attr]
-                    outcome = "ineligible"
+                elif rt.config.max_model_len is not None and not self._fits(
+                    rt, body, rt.probe.max_tokens(deferred.text, deferred.add_special)  # type: ignore[union-attr]
+                ):
+                    outcome = "ineligible"  # a configured limit, maybe below the engines': check it exactly
                 metrics.child(metrics.COLD_PATH, rt.config.name, outcome).inc()
                 if outcome != "deferred":
                     deferred = None
@@ -368,9 +383,10 @@ class Router:
 
     def _probe(
         self, rt: ModelRuntime, body: dict[str, Any], kind: str, lora: dict[str, Any] | None, salt: str | None
-    ) -> tuple[tuple[str, bool] | None, Deferred | None]:
-        """The rendered prompt (reused by the full path) and, for a long one, a deferral
-        candidate: its first block's key and estimated length (see :mod:`router.cold`)."""
+    ) -> tuple[Rendered | None, Deferred | None]:
+        """The rendered prompt (reused by the full path) and, for a long one the segment
+        cache has mostly not seen, a deferral candidate: its first block's key and
+        estimated length (see :mod:`router.cold`)."""
         probe, tok = rt.probe, rt.tokenizer
         if probe is None or tok is None or rt.guard.mode == "remote":
             return None, None
@@ -380,20 +396,27 @@ class Router:
             return None, None
         except TokenizeError as e:
             raise BadRequest(str(e)) from e
-        if prompt is None or len(prompt[0]) < MIN_CHARS:
-            return prompt, None
+        if prompt is None:
+            return None, None
+        text, add_special = prompt
+        rendered = Rendered(text, add_special, tok.uncached_chars(text))
+        if len(text) < MIN_CHARS:
+            return rendered, None
+        if rendered.uncached_chars <= INLINE_UNCACHED_CHARS:
+            # A re-sent history: tokenizing it is cheap, and its head was routed before.
+            metrics.child(metrics.COLD_PATH, rt.config.name, "seen").inc()
+            return rendered, None
         if not probe.enabled:
             metrics.child(metrics.COLD_PATH, rt.config.name, "disabled").inc()
-            return prompt, None
-        text, add_special = prompt
+            return rendered, None
         got = probe.head_ids(text, add_special, rt.config.block_size)
         if got is None:
             metrics.child(metrics.COLD_PATH, rt.config.name, "ineligible").inc()
-            return prompt, None
+            return rendered, None
         head, per_char = got
         keys = rt.hash_cache.hash_int64(head, lora=lora, cache_salt=salt)
         estimate = max(len(head), round(len(text) * per_char))
-        return prompt, Deferred(text, add_special, head, keys, estimate, lora, salt, body, kind)
+        return rendered, Deferred(text, add_special, head, keys, estimate, lora, salt, body, kind)
 
     @staticmethod
     def _fits(rt: ModelRuntime, body: dict[str, Any], bound: int) -> bool:
@@ -465,7 +488,7 @@ class Router:
         raw_len: int,
         lora: dict[str, Any] | None,
         salt: str | None,
-        rendered: tuple[str, bool] | None = None,
+        rendered: Rendered | None = None,
     ) -> tuple[list[int], list[int], list[int]]:
         if rt.guard.mode == "remote" or rt.tokenizer is None:
             prompts = await self._remote_prompts(rt, body, kind)
@@ -476,7 +499,7 @@ class Router:
             prompt = body.get("prompt") if kind == "completion" else None
             # A shape hint only: completion_ids validates every id, inline or not.
             ids = prompt if isinstance(prompt, list) and prompt and type(prompt[0]) is int else None
-            inline = self._inline(raw_len, ids)
+            inline = self._inline(raw_len, ids) or (rendered is not None and rendered.uncached_chars <= INLINE_UNCACHED_CHARS)
             first, lengths, keys = await self._offload(inline, self._local, rt, body, kind, lora, salt, rendered)
         except (TokenizeError, RouterError):
             raise
@@ -519,14 +542,14 @@ class Router:
         kind: str,
         lora: dict[str, Any] | None,
         salt: str | None,
-        rendered: tuple[str, bool] | None = None,
+        rendered: Rendered | None = None,
     ) -> tuple[list[int], list[int], list[int]]:
         tok = rt.tokenizer
         assert tok is not None
         t0 = time.perf_counter()
         try:
             if rendered is not None:  # one text, no truncation: see PromptTokenizer.prompt_text
-                first = tok.text_ids(*rendered)
+                first = tok.text_ids(rendered.text, rendered.add_special)
                 lengths = [len(first)]
             elif kind == "chat":
                 first = tok.chat_ids(body)

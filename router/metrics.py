@@ -80,7 +80,8 @@ TOKENIZER_FALLBACKS = Counter(
 COLD_PATH = Counter(
     "kvrouter_cold_path",
     "Long single-text prompts by first-block probe outcome: deferred (sent before the full tokenization), "
-    "known (block 0 held, recently routed or being tokenized: full path), ineligible (length bound, probe "
+    "seen (the segment cache holds nearly all of it: full path, inline), known (block 0 held, "
+    "recently routed or being tokenized: full path), ineligible (length bound, probe "
     "found no whole block), disabled (tokenizer not byte-level or a probe mismatch)",
     ["model", "outcome"],
 )

@@ -141,6 +141,10 @@ class SegmentCache:
                 self._entries.move_to_end(key)
             return ids
 
+    def peek(self, key: int) -> list[int] | None:
+        """Like :meth:`get`, without refreshing the entry's LRU position."""
+        return self._entries.get(key)
+
     def put(self, key: int, ids: list[int]) -> None:
         if len(ids) > self.max_tokens:
             return
@@ -314,6 +318,21 @@ class PromptTokenizer:
             return None
         return prompt, _bool(body, "add_special_tokens", True)
 
+    def uncached_chars(self, text: str) -> int:
+        """Characters of ``text`` in segments the segment cache does not hold: what
+        :meth:`encode` would send to the tokenizer (all of it without the segment path)."""
+        if self.segment_disabled_reason is not None:
+            return len(text)
+        missing = pos = 0
+        matches = self._split_re.finditer(text) if self._split_re is not None else ()
+        for m in (*matches, None):
+            end = m.start() if m is not None else len(text)
+            if end > pos and self._cache.peek(_segment_key(text[pos:end])) is None:
+                missing += end - pos
+            if m is not None:
+                pos = m.end()
+        return missing
+
     def text_ids(self, text: str, add_special: bool) -> list[int]:
         """The ids of a prompt :meth:`prompt_text` returned (an empty prompt is an error)."""
         return self._truncate(self.encode(text, add_special), None, add_special)
@@ -430,7 +449,7 @@ class PromptTokenizer:
             end = m.start() if m is not None else len(text)
             if end > pos:
                 segment = text[pos:end]
-                key = xxhash.xxh3_128_intdigest(segment.encode("utf-8", "surrogatepass"))
+                key = _segment_key(segment)
                 seg_ids = self._cache.get(key) if cache else None
                 if seg_ids is None:
                     if len(segment) < GIL_FREE_CHARS:
@@ -463,6 +482,10 @@ class PromptTokenizer:
             self._cache.clear()
             log.warning("tokenizer %s: segment-cached ids differ from full tokenization; segment path disabled", self.name)
         return full
+
+
+def _segment_key(segment: str) -> int:
+    return xxhash.xxh3_128_intdigest(segment.encode("utf-8", "surrogatepass"))
 
 
 def _position_dependence(spec: dict[str, Any]) -> str | None:

@@ -100,3 +100,13 @@ def test_mismatch_disables_the_probe() -> None:
     assert not probe.check([1, 2, 3], [1, 2, 4, 4])
     assert not probe.enabled and "mismatch" in (probe.disabled_reason or "")
     assert REGISTRY.get_sample_value("kvrouter_cold_head_mismatches_total", {"model": probe.model}) == before + 1
+
+
+def test_uncached_chars_counts_what_encode_would_tokenize() -> None:
+    tok = PromptTokenizer.load(str(QWEN3_DIR), verify_rate=0.0)
+    history = "<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\n" + "old words " * 300 + "<|im_end|>\n"
+    tok.encode(history)
+    assert tok.uncached_chars(history) == 0
+    turn = "<|im_start|>user\nsomething new<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.uncached_chars(history + turn) == len("user\nsomething new") + len("assistant\n")
+    assert tok.uncached_chars(history + turn) == len("user\nsomething new") + len("assistant\n")  # peek did not insert

@@ -448,14 +448,14 @@ def test_cold_prompt_is_sent_before_its_full_tokenization_then_settled(fleet: di
         assert (REGISTRY.get_sample_value("kvrouter_cold_head_checks_total", {"model": MODEL}) or 0.0) == checks + 1
         assert not REGISTRY.get_sample_value("kvrouter_cold_head_mismatches_total", {"model": MODEL})
         wait_idle(r.url)
-        # Sent again, the prompt is known (speculative insertion of the full keys, then events):
-        # the full path runs and the request follows the first one with a cache hit.
-        known = _cold("known")
+        # Sent again, the segment cache has seen it: the full path runs (inline), and the
+        # request follows the first one (speculative insertion of the full keys, then events).
+        seen = _cold("seen")
         again = httpx.post(r.url + "/v1/chat/completions", json={**body, "stream": False}, timeout=60)
         assert again.status_code == 200 and again.headers["x-kvrouter-backend"] == backend
         assert again.headers["x-kvrouter-reason"] in ("cache_hit", "speculative_hit")
         assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16 * (expected - 1)
-        assert _cold("known") == known + 1
+        assert _cold("seen") == seen + 1
         wait_idle(r.url)
 
 
