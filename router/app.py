@@ -549,7 +549,11 @@ class Router:
         t0 = time.perf_counter()
         try:
             if rendered is not None:  # one text, no truncation: see PromptTokenizer.prompt_text
-                first = tok.text_ids(rendered.text, rendered.add_special)
+                # The sampled full-tokenization check costs a whole cold tokenization: never
+                # on the event loop, where this may run (see INLINE_UNCACHED_CHARS).
+                first = tok.text_ids(rendered.text, rendered.add_special, check=False)
+                if tok.wants_check():
+                    self.background.submit(tok.check_prompt, rendered.text, first, rendered.add_special)
                 lengths = [len(first)]
             elif kind == "chat":
                 first = tok.chat_ids(body)

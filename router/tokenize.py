@@ -244,15 +244,18 @@ class PromptTokenizer:
 
     # -- plain text -------------------------------------------------------------
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """``tokenizer.encode(text, add_special_tokens=...)``, through the segment cache."""
+    def encode(self, text: str, add_special_tokens: bool = False, *, check: bool = True) -> list[int]:
+        """``tokenizer.encode(text, add_special_tokens=...)``, through the segment cache.
+
+        ``check=False`` skips the sampled full-tokenization check here; a caller on the
+        event loop runs :meth:`check` elsewhere when :meth:`wants_check` says so."""
         if self.segment_disabled_reason is not None:
             return self.encode_full(text, add_special_tokens)
         if add_special_tokens and self._special_prefix is None:
             return self.encode_full(text, True)
         ids = self._encode_segments(text)
-        if self.verify_rate > 0 and self._rng.random() < self.verify_rate:
-            ids = self._verify(text, ids)
+        if check and self.wants_check():
+            ids = self.check(text, ids)
         if add_special_tokens:
             assert self._special_prefix is not None and self._special_suffix is not None
             return [*self._special_prefix, *ids, *self._special_suffix]
@@ -333,9 +336,13 @@ class PromptTokenizer:
                 pos = m.end()
         return missing
 
-    def text_ids(self, text: str, add_special: bool) -> list[int]:
+    def text_ids(self, text: str, add_special: bool, *, check: bool = True) -> list[int]:
         """The ids of a prompt :meth:`prompt_text` returned (an empty prompt is an error)."""
-        return self._truncate(self.encode(text, add_special), None, add_special)
+        return self._truncate(self.encode(text, add_special, check=check), None, add_special)
+
+    def wants_check(self) -> bool:
+        """Whether this request is one of the sampled segment-path checks."""
+        return self.segment_disabled_reason is None and self.verify_rate > 0 and self._rng.random() < self.verify_rate
 
     def chat_ids(self, body: dict[str, Any]) -> list[int]:
         """Exact prompt ids vLLM 0.33 uses for a ``/v1/chat/completions`` body."""
@@ -472,8 +479,15 @@ class PromptTokenizer:
                 SEGMENT_TOKENS.labels(self.name, "miss").inc(miss)
         return ids
 
-    def _verify(self, text: str, ids: list[int]) -> list[int]:
-        """Compare with full tokenization; on a mismatch disable the segment path and return the full ids."""
+    def check_prompt(self, text: str, ids: list[int], add_special: bool) -> None:
+        """:meth:`check` for the ids :meth:`text_ids` returned (special tokens stripped)."""
+        if add_special and self._special_prefix is not None and self._special_suffix is not None:
+            ids = ids[len(self._special_prefix) : len(ids) - len(self._special_suffix)]
+        self.check(text, ids)
+
+    def check(self, text: str, ids: list[int]) -> list[int]:
+        """Compare segment ids (no special tokens) with full tokenization; on a mismatch
+        disable the segment path and return the full ids."""
         SEGMENT_CHECKS.labels(self.name).inc()
         full = self.encode_full(text)
         if ids != full:

@@ -120,6 +120,19 @@ def test_runtime_check_disables_the_segment_path_on_a_mismatch() -> None:
     assert tok.chat_ids(body) == expected
 
 
+def test_deferred_check_strips_special_tokens_and_catches_a_mismatch() -> None:
+    tok = PromptTokenizer.load(str(QWEN3_DIR), verify_rate=1.0, name="deferred-check")
+    text = "A completion prompt <|im_start|> with an added token inside."
+    ids = tok.text_ids(text, True, check=False)
+    assert _metric("kvrouter_tokenizer_segment_checks_total", model="deferred-check") == 0  # check=False: none here
+    tok.check_prompt(text, ids, True)
+    assert tok.segment_enabled
+    assert _metric("kvrouter_tokenizer_segment_checks_total", model="deferred-check") == 1
+    tok.check_prompt(text, [*ids[:-1], ids[-1] + 1], True)
+    assert not tok.segment_enabled
+    assert _metric("kvrouter_tokenizer_segment_mismatches_total", model="deferred-check") == 1
+
+
 def _qwen3_variant(tmp_path: Path, edit: Any) -> PreTrainedTokenizerFast:
     spec = json.loads((QWEN3_DIR / "tokenizer.json").read_text())
     edit(spec)
