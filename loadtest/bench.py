@@ -35,7 +35,7 @@ from typing import Any
 import httpx
 
 from loadtest import report, workloads
-from loadtest.fleet import Fleet, FleetError, FleetSpec, Router, histogram_quantile, scrape, scrape_buckets
+from loadtest.fleet import Fleet, FleetError, FleetSpec, Router, histogram_quantile, scrape, scrape_buckets, scrape_labelled
 from loadtest.peer import VllmRouter, parse_peers, peer_policy
 from loadtest.replay import NO_BACKEND, ReplayResult, Replayer, add_workload_args, load_workload, percentiles, write_records
 from loadtest.workloads import Workload, WorkloadError
@@ -211,6 +211,7 @@ def run_policy(workload: Workload, spec: FleetSpec, policy: str, workdir: Path, 
         kvrouter = isinstance(router, Router)
         overhead = probe_overhead(router.url, list(workload.turns()), spec.model) if kvrouter else None
         router_metrics = _try_scrape(router.url + "/metrics") if kvrouter else {}
+        reasons = _try_labelled(router.url + "/metrics", "kvrouter_routing_decisions_total", "reason") if kvrouter else {}
         engine_metrics = {e.name: _try_scrape(e.url + "/metrics") for e in fleet.engines}
         ttft_buckets = _engine_buckets(fleet, "vllm:time_to_first_token_seconds")
     summary = res.summary()
@@ -229,6 +230,7 @@ def run_policy(workload: Workload, spec: FleetSpec, policy: str, workdir: Path, 
         "engine_queue_mean_s": _ratio(engine_metrics, "vllm:request_queue_time_seconds_sum",
                                       "vllm:request_queue_time_seconds_count"),
         "engine_max_clock_lag_s": sampler.max_lag_s,
+        "decision_reasons": {k: int(v) for k, v in sorted(reasons.items(), key=lambda kv: -kv[1])},
         "router_metrics": {k: v for k, v in router_metrics.items()
                            if k.startswith("kvrouter_") and not k.endswith(("_bucket", "_created"))},
         "scrape_failures": sampler.failures,
@@ -304,6 +306,13 @@ def _ratio(per_engine: dict[str, dict[str, float]], num: str, den: str) -> float
 def _try_scrape(url: str) -> dict[str, float]:
     try:
         return scrape(url)
+    except (httpx.HTTPError, ValueError):
+        return {}
+
+
+def _try_labelled(url: str, sample: str, label: str) -> dict[str, float]:
+    try:
+        return scrape_labelled(url, sample, label)
     except (httpx.HTTPError, ValueError):
         return {}
 

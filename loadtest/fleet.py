@@ -300,19 +300,24 @@ def scrape(url: str, timeout_s: float = 5.0) -> dict[str, float]:
     return out
 
 
-def scrape_buckets(url: str, histogram: str, timeout_s: float = 5.0) -> dict[float, float]:
-    """Cumulative bucket counts ``{le: count}`` of one histogram on a ``/metrics`` page, summed over label sets."""
+def scrape_labelled(url: str, sample: str, label: str, timeout_s: float = 5.0) -> dict[str, float]:
+    """One sample on a ``/metrics`` page, summed per value of one of its labels
+    (``kvrouter_routing_decisions_total`` by ``reason``, a histogram's ``_bucket`` by ``le``)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     r = httpx.get(url, timeout=timeout_s)
     r.raise_for_status()
-    out: dict[float, float] = {}
+    out: dict[str, float] = {}
     for fam in text_string_to_metric_families(r.text):
         for s in fam.samples:
-            if s.name == histogram + "_bucket":
-                le = float(s.labels["le"])
-                out[le] = out.get(le, 0.0) + float(s.value)
+            if s.name == sample and label in s.labels:
+                out[s.labels[label]] = out.get(s.labels[label], 0.0) + float(s.value)
     return out
+
+
+def scrape_buckets(url: str, histogram: str, timeout_s: float = 5.0) -> dict[float, float]:
+    """Cumulative bucket counts ``{le: count}`` of one histogram on a ``/metrics`` page, summed over label sets."""
+    return {float(le): n for le, n in scrape_labelled(url, histogram + "_bucket", "le", timeout_s).items()}
 
 
 def histogram_quantile(q: float, buckets: dict[float, float]) -> float | None:

@@ -133,6 +133,10 @@ def write_markdown(path: Path, meta: dict[str, Any], runs: list[dict[str, Any]],
     lines += [f"- {k}: {v}" for k, v in meta.items()]
     lines += ["", markdown_table(runs), ""]
     lines += [f"- {s}" for s in comparison(runs)]
+    reasons = [(r["policy"], r["decision_reasons"]) for r in runs if r.get("decision_reasons")]
+    if reasons:
+        lines += ["", "Routing decisions by reason (`kvrouter_routing_decisions_total`):", ""]
+        lines += [f"- {policy}: " + ", ".join(f"{k} {v:,}" for k, v in counts.items()) for policy, counts in reasons]
     lines += ["", "Times are engine seconds (wall time x the simulator's speedup). The ideal ratio is what one engine",
               "with an infinite cache would reuse across the same prompts; the TTFT floor is each request's TTFT",
               "with that cache on an idle engine (the simulator's latency model, no queueing), the bound no",

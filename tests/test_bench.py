@@ -40,6 +40,10 @@ def test_results_json_has_the_contract_shape(bench_out: Path) -> None:
         assert r["requests"] == 400 and r["errors"] == 0
         assert set(r["backend_requests"]) == {f"engine-{i}" for i in range(4)}
         assert sum(r["backend_requests"].values()) == 400
+        # Every decision has a reason, counted by the router (the warm-up probe adds its own).
+        assert sum(r["decision_reasons"].values()) >= 400
+    assert set(runs[0]["decision_reasons"]) == {"round_robin"}
+    assert "cache_hit" in runs[1]["decision_reasons"]
     meta = results["meta"]
     assert meta["target_load"] == 0.8 and meta["capacity_req_per_s"] > 0
     assert meta["offered_rate_per_s"] == pytest.approx(0.8 * meta["capacity_req_per_s"], rel=0.01)
@@ -48,6 +52,7 @@ def test_results_json_has_the_contract_shape(bench_out: Path) -> None:
 def test_report_and_plots_are_written(bench_out: Path) -> None:
     md = (bench_out / "report.md").read_text()
     assert "| round_robin |" in md and "| kv_aware |" in md and "TTFT p90" in md
+    assert "Routing decisions by reason" in md and "- kv_aware: " in md and "cache_hit " in md
     for png in ("ttft_cdf.png", "backend_load.png", "cached_ratio.png"):
         data = (bench_out / png).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
