@@ -199,11 +199,11 @@ class PolicyRun:
 
 
 def run_policy(workload: Workload, spec: FleetSpec, policy: str, workdir: Path, *, speedup: float,
-               sample_interval_s: float, progress: bool) -> PolicyRun:
+               sample_interval_s: float, progress: bool, weights: dict[str, Any] | None = None) -> PolicyRun:
     """One policy (kvrouter's, or a peer's ``vllm-router:POLICY``) on a fresh fleet and router;
     returns its results.json entry and plot data."""
     slug = policy.replace(":", "-")
-    with Fleet(spec, workdir / slug) as fleet, _router(fleet, policy, workdir / slug) as router:
+    with Fleet(spec, workdir / slug) as fleet, _router(fleet, policy, workdir / slug, weights) as router:
         sampler = EngineSampler(fleet, sample_interval_s, spec.speedup)
         replayer = Replayer(router.url, spec.model, speedup=speedup, time_scale=spec.speedup)
         res = _run_with_progress(replayer, workload, sampler, policy, progress)
@@ -239,9 +239,9 @@ def run_policy(workload: Workload, spec: FleetSpec, policy: str, workdir: Path, 
     return PolicyRun(result, report.PolicyTrace(policy, res.records, sampler.samples, spec.speedup))
 
 
-def _router(fleet: Fleet, policy: str, workdir: Path) -> Router | VllmRouter:
+def _router(fleet: Fleet, policy: str, workdir: Path, weights: dict[str, Any] | None = None) -> Router | VllmRouter:
     peer = peer_policy(policy)
-    return Router(fleet, policy, workdir) if peer is None else VllmRouter.for_fleet(fleet, peer, workdir)
+    return Router(fleet, policy, workdir, weights=weights) if peer is None else VllmRouter.for_fleet(fleet, peer, workdir)
 
 
 def _engine_requests(engine_metrics: dict[str, dict[str, float]]) -> dict[str, int]:
@@ -330,6 +330,8 @@ class BenchOptions:
     progress: bool = True
     plot_prefix: str = ""
     title: str | None = None
+    weights: dict[str, Any] | None = None
+    """kv_aware cost weights for kvrouter's routers (``router.weights`` in the config)."""
 
 
 def run_bench(opt: BenchOptions) -> dict[str, Any]:
@@ -343,6 +345,8 @@ def run_bench(opt: BenchOptions) -> dict[str, Any]:
     meta: dict[str, Any] = {"workload": wl.name, "requests": wl.num_requests, "backends": opt.spec.backends,
                             "speedup": opt.speedup, "trace_rate_per_s": round(wl.arrival_rate, 3)}
     rate_scale = opt.rate_scale
+    if opt.weights:
+        meta["weights"] = opt.weights
     if opt.target_load is not None:
         if wl.arrival_rate <= 0:
             raise WorkloadError("--target-load needs a workload whose requests are spread over time")
@@ -361,7 +365,7 @@ def run_bench(opt: BenchOptions) -> dict[str, Any]:
     traces: list[report.PolicyTrace] = []
     for policy in opt.policies:
         pr = run_policy(scaled, opt.spec, policy, work, speedup=opt.speedup,
-                        sample_interval_s=opt.sample_interval_s, progress=opt.progress)
+                        sample_interval_s=opt.sample_interval_s, progress=opt.progress, weights=opt.weights)
         pr.result["ideal_cached_ratio"] = ref.cached_ratio
         pr.result["ttft_floor_s"] = floor
         runs.append(pr.result)
@@ -400,6 +404,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sample-interval", type=float, default=0.5, help="engine /metrics scrape period, wall s")
     p.add_argument("--plot-prefix", default="", help="prefix of the PNG file names")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--kv-weight", action="append", default=[], metavar="KEY=VALUE",
+                   help="a kv_aware cost weight for kvrouter's routers, e.g. decode=0 (repeatable; the keys of "
+                        "router.weights in the config)")
     add_workload_args(p)
 
 
@@ -416,7 +423,27 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
                      num_blocks=args.num_blocks, cpu_offload_blocks=args.cpu_offload_blocks, sim_args=list(args.sim_arg))
     return BenchOptions(Path(args.out), wl, spec, policies, args.speedup, args.target_load, args.rate_scale,
                         sample_interval_s=args.sample_interval, progress=not args.quiet,
-                        plot_prefix=args.plot_prefix)
+                        plot_prefix=args.plot_prefix, weights=parse_weights(args.kv_weight))
+
+
+def parse_weights(items: list[str]) -> dict[str, Any] | None:
+    """``["decode=0", "guard_min_saving=0.8"]`` -> validated kv_aware weights (only those given)."""
+    from pydantic import ValidationError
+
+    from router.config import KvAwareWeights
+
+    raw: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise WorkloadError(f"--kv-weight wants KEY=VALUE, got {item!r}")
+        raw[key.strip()] = value.strip()
+    if not raw:
+        return None
+    try:
+        return KvAwareWeights(**raw).model_dump(include=set(raw))
+    except ValidationError as e:
+        raise WorkloadError(f"--kv-weight: {e.errors()[0]['loc'][0]}: {e.errors()[0]['msg']}") from e
 
 
 def run(args: argparse.Namespace) -> int:

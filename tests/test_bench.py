@@ -87,3 +87,14 @@ def test_histogram_quantile_interpolates_like_prometheus() -> None:
     assert histogram_quantile(0.25, buckets) == pytest.approx(0.3)
     assert histogram_quantile(0.99, {1.0: 1.0, float("inf"): 10.0}) == 1.0
     assert histogram_quantile(0.5, {}) is None
+
+
+def test_kv_weights_from_the_command_line_are_validated() -> None:
+    from loadtest.bench import parse_weights
+    from loadtest.workloads import WorkloadError
+
+    assert parse_weights([]) is None
+    assert parse_weights(["decode=0", " guard_min_saving = 0.8"]) == {"decode": 0.0, "guard_min_saving": 0.8}
+    for bad in (["nope=1"], ["decode=x"], ["decode"], ["cpu_tier=2"]):
+        with pytest.raises(WorkloadError, match="--kv-weight"):
+            parse_weights(bad)
