@@ -282,6 +282,25 @@ class Router(_RouterProcess):
         self.child = Child(f"router-{self.policy}", args, self.workdir / f"router-{self.policy}.log")
         return [self.url + "/health"]
 
+    def _start(self, timeout_s: float) -> Self:
+        super()._start(timeout_s)
+        self._wait_for_event_streams(min(timeout_s, 10.0))
+        return self
+
+    def _wait_for_event_streams(self, timeout_s: float) -> None:
+        """Return once the router follows every engine's KV-event stream (best effort): until
+        then kv_aware decides without events (reason ``no_events``), which measures the
+        router's start-up, not the policy."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                backends = httpx.get(self.url + "/debug/backends", timeout=2.0).json()["backends"]
+                if all(b.get("connected") for b in backends):
+                    return
+            except (httpx.HTTPError, ValueError, KeyError):
+                pass
+            time.sleep(0.05)
+
 
 def scrape(url: str, timeout_s: float = 5.0) -> dict[str, float]:
     """A ``/metrics`` page as ``{name{labels}: value}`` summed over label sets per sample name.

@@ -44,6 +44,8 @@ def test_results_json_has_the_contract_shape(bench_out: Path) -> None:
         assert sum(r["decision_reasons"].values()) >= 400
     assert set(runs[0]["decision_reasons"]) == {"round_robin"}
     assert "cache_hit" in runs[1]["decision_reasons"]
+    # The harness starts replaying once the router follows every engine's event stream.
+    assert "no_events" not in runs[1]["decision_reasons"]
     meta = results["meta"]
     assert meta["target_load"] == 0.8 and meta["capacity_req_per_s"] > 0
     assert meta["offered_rate_per_s"] == pytest.approx(0.8 * meta["capacity_req_per_s"], rel=0.01)
