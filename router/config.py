@@ -95,6 +95,10 @@ class KvAwareWeights(_Strict):
     Mooncake bench that made kv_aware balance KV memory instead of queued prefill and
     lost to least_loaded on TTFT (engine TTFT p90 1.67 s vs 0.95 s at 0.1), because a
     step's cost grows ~1000x less per held block than per prefilled token."""
+    context: float = Field(default=0.0, ge=0.0)
+    """Per prompt block of every in-flight request (a shared prefix counts once per request):
+    decode attention reads each request's whole context every step, which ``decode``'s
+    unique blocks do not see when many requests share a prefix. Off by default."""
     cpu_tier: float = Field(default=0.5, ge=0.0, le=1.0)
     storage_tier: float = Field(default=0.25, ge=0.0, le=1.0)
     temperature: float = Field(default=0.0, ge=0.0)

@@ -41,6 +41,7 @@ class BackendLoad:
         "prefill_tokens",
         "decode_seqs",
         "block_refs",
+        "context_blocks",
         "scraped_waiting",
         "scraped_running",
         "scraped_kv_usage",
@@ -53,6 +54,9 @@ class BackendLoad:
         self.prefill_tokens = 0
         self.decode_seqs = 0
         self.block_refs: dict[int, int] = {}
+        self.context_blocks = 0
+        """Prompt blocks summed over in-flight requests, shared prefixes counted once per
+        request: what decode attention reads each step (``block_refs`` is what memory holds)."""
         self.scraped_waiting: float | None = None
         self.scraped_running: float | None = None
         self.scraped_kv_usage: float | None = None
@@ -74,6 +78,7 @@ class BackendLoad:
             "prefill_tokens": self.prefill_tokens,
             "decode_seqs": self.decode_seqs,
             "active_blocks": len(self.block_refs),
+            "context_blocks": self.context_blocks,
             "scraped_waiting": self.scraped_waiting,
             "scraped_running": self.scraped_running,
             "scraped_kv_cache_usage": self.scraped_kv_usage,
@@ -97,6 +102,7 @@ class Ticket:
         self.phase = 0
         load.in_flight += 1
         load.prefill_tokens += prefill
+        load.context_blocks += len(keys)
         refs = load.block_refs
         for k in keys:
             refs[k] = refs.get(k, 0) + 1
@@ -117,6 +123,7 @@ class Ticket:
         self.prefill = prefill
         self._unref()
         self.keys = keys
+        self.load.context_blocks += len(keys)
         refs = self.load.block_refs
         for k in keys:
             refs[k] = refs.get(k, 0) + 1
@@ -134,6 +141,7 @@ class Ticket:
         self._unref()
 
     def _unref(self) -> None:
+        self.load.context_blocks -= len(self.keys)
         refs = self.load.block_refs
         for k in self.keys:
             n = refs.get(k, 0)
@@ -157,7 +165,7 @@ class LoadTracker:
 
     def idle(self) -> bool:
         return all(
-            b.in_flight == 0 and b.prefill_tokens == 0 and b.decode_seqs == 0 and not b.block_refs
+            b.in_flight == 0 and b.prefill_tokens == 0 and b.decode_seqs == 0 and not b.block_refs and b.context_blocks == 0
             for b in self.backends.values()
         )
 

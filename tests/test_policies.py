@@ -141,6 +141,15 @@ def test_kv_aware_cost_matches_the_documented_formula() -> None:
     assert cands[1].score == pytest.approx(expected1)
 
 
+def test_kv_aware_context_term_charges_each_request_its_whole_prompt() -> None:
+    n = 100  # 7 blocks
+    cands = fleet(2)
+    cands[0].load.context_blocks = 40  # e.g. 10 requests sharing a 4-block prefix: 4 unique, 40 read per step
+    kv(prefill=1.0, decode=0.0, context=0.5).choose(ctx(n, keys=[1, 2, 3, 4, 5, 6]), cands)
+    assert cands[0].score == pytest.approx(n / BS + 0.5 * (40 + 7))
+    assert cands[1].score == pytest.approx(n / BS + 0.5 * 7)
+
+
 def test_kv_aware_caps_the_hit_like_vllm() -> None:
     # A fully cached 64-token prompt: vLLM recomputes the last block (cached = 48).
     cands = fleet(1)
@@ -238,9 +247,27 @@ def test_ticket_release_is_idempotent_and_returns_load_to_zero() -> None:
     assert (load.in_flight, load.prefill_tokens, load.active_blocks) == (2, 150, 32 + 1 + 2)
     t1.first_token()
     assert (load.prefill_tokens, load.decode_seqs) == (50, 1)
+    assert load.context_blocks == 33 + 34  # per request: the shared prefix counts twice
     t1.release()
     t1.release()
     t2.release()
+    assert tracker.idle() and load.context_blocks == 0
+
+
+def test_ticket_settle_replaces_the_estimate_in_every_phase() -> None:
+    tracker = LoadTracker(["a"])
+    load = tracker.get("a")
+    other = tracker.acquire("a", [1, 2], 32)
+    t = tracker.acquire("a", [1], 400)  # a deferred request: block 0 and a length estimate
+    assert (load.prefill_tokens, load.active_blocks, load.context_blocks) == (432, 2, 3)
+    t.settle([1, 7, 8, 9], 70)
+    assert (load.prefill_tokens, load.active_blocks, load.context_blocks) == (102, 5, 6)
+    t.first_token()
+    t.settle([1, 7, 8, 9], 64)  # after the first token only the keys matter
+    assert (load.prefill_tokens, load.decode_seqs, load.active_blocks) == (32, 1, 5)
+    t.release()
+    t.settle([1, 2, 3], 10)  # released: nothing to correct
+    other.release()
     assert tracker.idle()
 
 

@@ -8,6 +8,7 @@ tokens) to backend ``b``, lower is better, in KV blocks::
     queue_b    = max(0, prefill_tokens(b) - inflight_hit(b) · B)
     cost_b     = w_prefill · (uncached_b + queue_b) / B
                + w_decode  · (active_blocks(b) + N - matched(b))
+               + w_context · (context_blocks(b) + N)
 
 - ``blocks_tier(b)``: leading blocks the index says ``b`` holds, weighted by tier
   (GPU 1.0, CPU ``cpu_tier``, storage ``storage_tier``); a block found in a slower tier
@@ -24,6 +25,8 @@ tokens) to backend ``b``, lower is better, in KV blocks::
   this request would wait for anyway and then share, so it is not charged twice.
 - ``active_blocks(b)``: unique KV blocks held by the router's in-flight requests on ``b``
   (shared prefixes counted once); ``N - matched(b)`` the blocks this request would add.
+- ``context_blocks(b)``: prompt blocks of those requests counted once *per request*, what
+  decode attention reads every step (``w_context`` is 0 unless configured).
 
 This is Dynamo's KV router shape (``overlap_weight · prefill_blocks + decode_blocks``)
 with tier weights and the in-flight-prefix correction added.
@@ -78,7 +81,8 @@ class KvAware:
             hit = min(max(c.weighted_blocks, float(s)), float(cap))
             inflight_hit = max(0, s - c.matched_blocks)
             queue = max(0, c.load.prefill_tokens - inflight_hit * bs)
-            c.score = w.prefill * ((n - hit * bs) + queue) / bs + w.decode * (c.load.active_blocks + n_blocks - matched)
+            c.score = (w.prefill * ((n - hit * bs) + queue) / bs + w.decode * (c.load.active_blocks + n_blocks - matched)
+                       + w.context * (c.load.context_blocks + n_blocks))
         mark_unroutable(candidates)
         pool = healthy(candidates)
         ranked = sorted(pool, key=lambda c: (c.score, self._rng.random()))
