@@ -210,9 +210,9 @@ def run_policy(workload: Workload, spec: FleetSpec, policy: str, workdir: Path, 
         # A peer has no /debug/route, and its /metrics proxies an engine's page.
         kvrouter = isinstance(router, Router)
         overhead = probe_overhead(router.url, list(workload.turns()), spec.model) if kvrouter else None
-        router_metrics = _try_scrape(router.url + "/metrics") if kvrouter else {}
-        reasons = _try_labelled(router.url + "/metrics", "kvrouter_routing_decisions_total", "reason") if kvrouter else {}
-        engine_metrics = {e.name: _try_scrape(e.url + "/metrics") for e in fleet.engines}
+        router_metrics = _try(scrape, router.url + "/metrics") if kvrouter else {}
+        reasons = _try(scrape_labelled, router.url + "/metrics", "kvrouter_routing_decisions_total", "reason") if kvrouter else {}
+        engine_metrics = {e.name: _try(scrape, e.url + "/metrics") for e in fleet.engines}
         ttft_buckets = _engine_buckets(fleet, "vllm:time_to_first_token_seconds")
     summary = res.summary()
     if set(summary["backend_requests"]) <= {NO_BACKEND}:
@@ -303,16 +303,10 @@ def _ratio(per_engine: dict[str, dict[str, float]], num: str, den: str) -> float
     return sum(m.get(num, 0.0) for m in per_engine.values()) / d if d else None
 
 
-def _try_scrape(url: str) -> dict[str, float]:
+def _try(read: Any, *args: str) -> dict[str, float]:
+    """A ``/metrics`` reading, or nothing when the page cannot be had (a report shows '-')."""
     try:
-        return scrape(url)
-    except (httpx.HTTPError, ValueError):
-        return {}
-
-
-def _try_labelled(url: str, sample: str, label: str) -> dict[str, float]:
-    try:
-        return scrape_labelled(url, sample, label)
+        return read(*args)
     except (httpx.HTTPError, ValueError):
         return {}
 

@@ -53,7 +53,7 @@ from router.errors import (
 )
 from router.load import LoadTracker, Ticket, scrape_forever
 from router.policies import make_policy
-from router.policies.base import Candidate, Decision, Policy, RequestCtx
+from router.policies.base import Candidate, Decision, Policy, PrefixMemory, RequestCtx
 from router.proxy import ProxyResponse, forwarded_headers
 from router.tokenize import (
     ParityGuard,
@@ -100,6 +100,12 @@ class ModelRuntime:
     max_model_len: int | None = None
     lora: dict[str, dict[str, Any]] = field(default_factory=dict)
     has_events: bool = False
+    memory: PrefixMemory | None = None
+    """The policy itself when it remembers its decisions by prefix (kv_aware, prefix_approx)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.policy, PrefixMemory):
+            self.memory = self.policy
 
 
 @dataclass(slots=True)
@@ -115,8 +121,7 @@ class Rendered:
 class Deferred:
     """A cold prompt routed on its first block; the rest is tokenized after it is sent."""
 
-    text: str
-    add_special: bool
+    prompt: Rendered
     head: list[int]
     keys: list[int]
     estimate: int
@@ -333,10 +338,11 @@ class Router:
             if deferred is not None:
                 hits = await self._lookup(rt, deferred.keys)
                 outcome = "deferred"
-                if hits or self._remembered(rt, deferred.keys) or (rt.config.name, deferred.keys[0]) in self._pending:
+                memory = rt.memory
+                if hits or (memory is not None and memory.remembers(deferred.keys)) or (rt.config.name, deferred.keys[0]) in self._pending:
                     outcome = "known"
-                elif rt.config.max_model_len is not None and not self._fits(
-                    rt, body, rt.probe.max_tokens(deferred.text, deferred.add_special)  # type: ignore[union-attr]
+                elif rt.config.max_model_len is not None and _length_error(
+                    rt, body, [rt.probe.max_tokens(deferred.prompt.text, deferred.prompt.add_special)]  # type: ignore[union-attr]
                 ):
                     outcome = "ineligible"  # a configured limit, maybe below the engines': check it exactly
                 metrics.child(metrics.COLD_PATH, rt.config.name, outcome).inc()
@@ -399,9 +405,9 @@ class Router:
         if prompt is None:
             return None, None
         text, add_special = prompt
+        if len(text) < MIN_CHARS:  # below INLINE_UNCACHED_CHARS whatever the cache holds
+            return Rendered(text, add_special, len(text)), None
         rendered = Rendered(text, add_special, tok.uncached_chars(text))
-        if len(text) < MIN_CHARS:
-            return rendered, None
         if rendered.uncached_chars <= INLINE_UNCACHED_CHARS:
             # A re-sent history: tokenizing it is cheap, and its head was routed before.
             metrics.child(metrics.COLD_PATH, rt.config.name, "seen").inc()
@@ -416,21 +422,7 @@ class Router:
         head, per_char = got
         keys = rt.hash_cache.hash_int64(head, lora=lora, cache_salt=salt)
         estimate = max(len(head), round(len(text) * per_char))
-        return rendered, Deferred(text, add_special, head, keys, estimate, lora, salt, body, kind)
-
-    @staticmethod
-    def _fits(rt: ModelRuntime, body: dict[str, Any], bound: int) -> bool:
-        """Whether a prompt of at most ``bound`` tokens surely passes :meth:`_check_length`."""
-        try:
-            Router._check_length(rt, body, [bound])
-        except PromptTooLong:
-            return False
-        return True
-
-    @staticmethod
-    def _remembered(rt: ModelRuntime, keys: list[int]) -> bool:
-        remembers = getattr(rt.policy, "remembers", None)
-        return bool(remembers is not None and remembers(keys))
+        return rendered, Deferred(rendered, head, keys, estimate, lora, salt, body, kind)
 
     async def _after_pending(self, model: str, first_key: int) -> None:
         """Wait (bounded) for a deferred request with the same first block to finish
@@ -454,12 +446,11 @@ class Router:
         assert d is not None and rt.probe is not None
         try:
             loop = asyncio.get_running_loop()
-            ids, keys = await loop.run_in_executor(self.background, self._tokenize_deferred, rt, d)
+            ids, _, keys = await loop.run_in_executor(self.background, self._local, rt, d.body, d.kind, d.lora, d.salt, d.prompt)
             rt.probe.check(d.head, ids)
             ticket.settle(keys, len(ids))
-            remember = getattr(rt.policy, "remember", None)
-            if remember is not None:
-                remember(keys, prepared.backend or prepared.decision.backend)
+            if rt.memory is not None:
+                rt.memory.remember(keys, prepared.backend)
             if rt.guard.should_check():
                 self._spawn(self._parity_check(rt, d.body, d.kind, ids))
         except Exception as e:  # noqa: BLE001 - the request is already on its way; keep its estimate
@@ -468,17 +459,6 @@ class Router:
         finally:
             self._pending.pop(key, None)
             done.set_result(None)
-
-    @staticmethod
-    def _tokenize_deferred(rt: ModelRuntime, d: Deferred) -> tuple[list[int], list[int]]:
-        assert rt.tokenizer is not None
-        t0 = time.perf_counter()
-        ids = rt.tokenizer.text_ids(d.text, d.add_special)
-        t1 = time.perf_counter()
-        keys = rt.hash_cache.hash_int64(ids, lora=d.lora, cache_salt=d.salt)
-        metrics.child(metrics.TOKENIZE_SECONDS, rt.config.name).observe(t1 - t0)
-        metrics.child(metrics.HASH_SECONDS, rt.config.name).observe(time.perf_counter() - t1)
-        return ids, keys
 
     async def _tokens_and_keys(
         self,
@@ -619,18 +599,9 @@ class Router:
 
     @staticmethod
     def _check_length(rt: ModelRuntime, body: dict[str, Any], lengths: list[int]) -> None:
-        limit = rt.max_model_len
-        if limit is None or not lengths:
-            return
-        longest = max(lengths)
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-        requested = longest + (max_tokens if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) else 0)
-        if longest >= limit or requested > limit:
-            raise PromptTooLong(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{requested} tokens ({longest} in the prompt, {requested - longest} for the completion). "
-                "Please reduce the length of the prompt or the completion."
-            )
+        error = _length_error(rt, body, lengths)
+        if error is not None:
+            raise PromptTooLong(error)
 
     def _events_connected(self, rt: ModelRuntime) -> bool:
         stats = self.stream_stats()
@@ -686,6 +657,21 @@ class Router:
             raise NoHealthyBackend(f"no healthy backend for model {rt.config.name!r}")
         names.sort(key=lambda n: self.loads.get(n).effective_in_flight())
         return rt, names
+
+
+def _length_error(rt: ModelRuntime, body: dict[str, Any], lengths: list[int]) -> str | None:
+    """vLLM's message when the longest prompt plus ``max_tokens`` exceeds ``max_model_len``."""
+    limit = rt.max_model_len
+    if limit is None or not lengths:
+        return None
+    longest = max(lengths)
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    requested = longest + (max_tokens if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) else 0)
+    if longest < limit and requested <= limit:
+        return None
+    return (f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{requested} tokens ({longest} in the prompt, {requested - longest} for the completion). "
+            "Please reduce the length of the prompt or the completion.")
 
 
 BACKGROUND_NICE = 10

@@ -17,7 +17,7 @@ from __future__ import annotations
 import random
 import sys
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from router.load import BackendLoad
 
@@ -73,6 +73,7 @@ class Policy(Protocol):
     def commit(self, ctx: RequestCtx, decision: Decision) -> None: ...
 
 
+@runtime_checkable
 class PrefixMemory(Protocol):
     """What a policy that remembers its own decisions by prefix (kv_aware, prefix_approx)
     adds: the router asks whether a prompt's first block was routed recently before it
