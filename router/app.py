@@ -1,17 +1,20 @@
-"""The router's FastAPI app: OpenAI endpoints, /health, /metrics and /debug/*.
+"""The router's app: OpenAI endpoints, /health, /metrics and /debug/*.
 
 One request: read the body (bounded), parse it once with msgspec, check the few fields
 routing needs (the engine validates the rest), tokenize exactly like vLLM (inline for
 small bodies, in a thread pool otherwise so a 100k-token prompt never stalls the event
 loop), hash into vLLM block keys, look the keys up in the index, let the model's policy
-choose, and hand the *original bytes* to :class:`router.proxy.ProxyResponse`.
+choose, and hand the *original bytes* to :class:`router.proxy.ProxyResponse`. A long
+prompt the router can route on part of its ids (a cold prompt's first block, a seen
+history's cached segments) is sent first and tokenized after (:mod:`router.cold`).
 
 Completions with a list of prompts are routed on the first prompt (all are checked
 against ``max_model_len``): vLLM schedules each prompt as its own request, so only one
 of them can decide the backend, and batches usually share their prefix anyway.
 
-Errors are raised as :mod:`router.errors` exceptions and answered by the one handler
-registered here (and by :func:`router.errors.error_response` inside the proxy).
+Errors are raised as :mod:`router.errors` exceptions and answered by
+:class:`router.dispatch.Endpoints` (and by :func:`router.errors.error_response` inside the
+proxy).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from router import metrics
 from router.backends import BackendPool
 from router.cold import MIN_CHARS, HeadProbe
 from router.config import Config, Model
+from router.dispatch import Endpoints
 from router.hash_cache import HashCache
 from router.errors import (
     BadRequest,
@@ -49,7 +53,6 @@ from router.errors import (
     Unauthorized,
     UnknownModel,
     UpstreamError,
-    error_response,
 )
 from router.load import LoadTracker, Ticket, scrape_forever
 from router.policies import make_policy
@@ -73,6 +76,11 @@ _STREAM_STATS_TTL_S = 0.5
 PENDING_WAIT_S = 1.0
 """Longest a request waits for a deferred one with the same first block (its background
 tokenization normally takes as long as this request's own)."""
+MAX_SETTLING = 8
+"""Most deferred requests waiting for the background thread. It is one thread at a low OS
+priority: past this it is not keeping up, and a deferred request's load would stay an
+estimate for longer than tokenizing it on the request path takes, so requests take that
+path until it catches up (outcome ``busy``)."""
 INLINE_UNCACHED_CHARS = 2048
 """A rendered prompt whose segments not yet in the segment cache total at most this many
 characters is tokenized on the event loop: a re-sent history plus a new turn costs a
@@ -115,11 +123,17 @@ class Rendered:
     text: str
     add_special: bool
     uncached_chars: int
+    ids: list[int] | None = None
+    """All of its ids, when the segment cache held every segment (nothing to tokenize)."""
 
 
 @dataclass(slots=True)
 class Deferred:
-    """A cold prompt routed on its first block; the rest is tokenized after it is sent."""
+    """A prompt routed on the exact ids of its head; the rest is tokenized after it is sent.
+
+    ``cold``: the head is the first block of a never-seen prompt (:mod:`router.cold`).
+    Otherwise it is the part of a re-sent history the segment cache holds, the first
+    ``head_chars`` characters, and the tail is a new turn (see :meth:`Router._probe`)."""
 
     prompt: Rendered
     head: list[int]
@@ -129,6 +143,13 @@ class Deferred:
     salt: str | None
     body: dict[str, Any]
     kind: str
+    cold: bool = True
+    head_chars: int = 0
+
+    def max_tokens(self, probe: HeadProbe) -> int:
+        """An upper bound on the prompt's length: exact head, byte bound on the rest."""
+        known = len(self.head) if self.head_chars else 0
+        return known + probe.max_tokens(self.prompt.text[self.head_chars :], self.prompt.add_special)
 
 
 @dataclass(slots=True)
@@ -191,6 +212,8 @@ class Router:
         self._pending: dict[tuple[str, int], asyncio.Future[None]] = {}
         """Deferred requests whose full tokenization is running, by (model, block 0 key):
         a request with the same first block waits for it instead of deciding blind."""
+        self._settling = 0
+        """Deferred requests not yet settled (see :data:`MAX_SETTLING`)."""
         self._unregister_metrics: Any = None
         self.stream_registry = CollectorRegistry(auto_describe=True)
         """The subscriber's own series, exposed through :class:`metrics.FleetCollector` so
@@ -337,16 +360,18 @@ class Router:
             rendered, deferred = self._probe(rt, body, kind, lora, salt)
             if deferred is not None:
                 hits = await self._lookup(rt, deferred.keys)
-                outcome = "deferred"
+                outcome = "deferred" if deferred.cold else "tail"
                 memory = rt.memory
-                if hits or (memory is not None and memory.remembers(deferred.keys)) or (rt.config.name, deferred.keys[0]) in self._pending:
-                    outcome = "known"
-                elif rt.config.max_model_len is not None and _length_error(
-                    rt, body, [rt.probe.max_tokens(deferred.prompt.text, deferred.prompt.add_special)]  # type: ignore[union-attr]
+                if deferred.cold and (
+                    hits or (memory is not None and memory.remembers(deferred.keys)) or (rt.config.name, deferred.keys[0]) in self._pending
                 ):
+                    outcome = "known"
+                elif self._settling >= MAX_SETTLING:
+                    outcome = "busy"
+                elif rt.config.max_model_len is not None and _length_error(rt, body, [deferred.max_tokens(rt.probe)]):  # type: ignore[arg-type]
                     outcome = "ineligible"  # a configured limit, maybe below the engines': check it exactly
                 metrics.child(metrics.COLD_PATH, rt.config.name, outcome).inc()
-                if outcome != "deferred":
+                if outcome not in ("deferred", "tail"):
                     deferred = None
         if deferred is not None:
             token_ids: list[int] = []
@@ -407,11 +432,21 @@ class Router:
         text, add_special = prompt
         if len(text) < MIN_CHARS:  # below INLINE_UNCACHED_CHARS whatever the cache holds
             return Rendered(text, add_special, len(text)), None
-        rendered = Rendered(text, add_special, tok.uncached_chars(text))
+        scan = tok.scan(text, add_special)
+        rendered = Rendered(text, add_special, scan.uncached_chars)
         if rendered.uncached_chars <= INLINE_UNCACHED_CHARS:
-            # A re-sent history: tokenizing it is cheap, and its head was routed before.
-            metrics.child(metrics.COLD_PATH, rt.config.name, "seen").inc()
-            return rendered, None
+            head = scan.head
+            if scan.complete:
+                rendered.ids = head
+            if scan.complete or len(head) < rt.config.block_size:
+                metrics.child(metrics.COLD_PATH, rt.config.name, "seen").inc()
+                return rendered, None
+            # A re-sent history and a new turn: the history's ids are exact, and no backend
+            # can hold blocks of text this router has not tokenized lately (the blocks are
+            # chained), so routing on the history decides what the whole prompt would.
+            keys = rt.hash_cache.hash_int64(head, lora=lora, cache_salt=salt)
+            estimate = len(head) + round((len(text) - scan.head_chars) * len(head) / max(1, scan.head_chars))
+            return rendered, Deferred(rendered, head, keys, estimate, lora, salt, body, kind, cold=False, head_chars=scan.head_chars)
         if not probe.enabled:
             metrics.child(metrics.COLD_PATH, rt.config.name, "disabled").inc()
             return rendered, None
@@ -435,20 +470,29 @@ class Router:
     def settle_later(self, prepared: Prepared, ticket: Ticket) -> None:
         """Tokenize and hash a deferred request in the background, then give the policy
         its keys and the load ticket its exact size. Called right after the decision,
-        before any await, so a request with the same first block finds it pending."""
-        key = (prepared.runtime.config.name, prepared.ctx.keys[0])
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._pending[key] = done
-        self._spawn(self._settle(prepared, ticket, key, done))
+        before any await, so a request with the same new first block finds it pending."""
+        d = prepared.deferred
+        assert d is not None
+        pending = None
+        if d.cold:
+            done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            pending = (prepared.runtime.config.name, prepared.ctx.keys[0]), done
+            self._pending[pending[0]] = done
+        self._settling += 1
+        self._spawn(self._settle(prepared, d, ticket, pending))
 
-    async def _settle(self, prepared: Prepared, ticket: Ticket, key: tuple[str, int], done: asyncio.Future[None]) -> None:
-        rt, d = prepared.runtime, prepared.deferred
-        assert d is not None and rt.probe is not None
+    async def _settle(
+        self, prepared: Prepared, d: Deferred, ticket: Ticket, pending: tuple[tuple[str, int], asyncio.Future[None]] | None
+    ) -> None:
+        rt = prepared.runtime
+        assert rt.probe is not None
         try:
             loop = asyncio.get_running_loop()
             ids, _, keys = await loop.run_in_executor(self.background, self._local, rt, d.body, d.kind, d.lora, d.salt, d.prompt)
-            rt.probe.check(d.head, ids)
-            ticket.settle(keys, len(ids))
+            if d.cold:
+                rt.probe.check(d.head, ids)
+            chosen = next(c for c in prepared.candidates if c.backend == ticket.load.name)
+            ticket.settle(keys, _uncached(len(ids), chosen, prepared.ctx.block_size))
             if rt.memory is not None:
                 rt.memory.remember(keys, prepared.backend)
             if rt.guard.should_check():
@@ -457,8 +501,10 @@ class Router:
             log.warning("background tokenization of a deferred %s request failed: %r", rt.config.name, e)
             metrics.child(metrics.COLD_PATH, rt.config.name, "settle_error").inc()
         finally:
-            self._pending.pop(key, None)
-            done.set_result(None)
+            self._settling -= 1
+            if pending is not None:
+                self._pending.pop(pending[0], None)
+                pending[1].set_result(None)
 
     async def _tokens_and_keys(
         self,
@@ -531,7 +577,7 @@ class Router:
             if rendered is not None:  # one text, no truncation: see PromptTokenizer.prompt_text
                 # The sampled full-tokenization check costs a whole cold tokenization: never
                 # on the event loop, where this may run (see INLINE_UNCACHED_CHARS).
-                first = tok.text_ids(rendered.text, rendered.add_special, check=False)
+                first = rendered.ids or tok.text_ids(rendered.text, rendered.add_special, check=False)
                 if tok.wants_check():
                     self.background.submit(tok.check_prompt, rendered.text, first, rendered.add_special)
                 lengths = [len(first)]
@@ -646,8 +692,7 @@ class Router:
         """Uncached prompt tokens per backend: the prefill work each would queue there
         (blocks the router itself just sent there count as cached: see kv_aware)."""
         n, bs = prepared.ctx.num_tokens, prepared.ctx.block_size
-        cap = (n - 1) // bs if n > 0 else 0
-        return {c.backend: n - min(max(c.matched_blocks, c.speculative_blocks), cap) * bs for c in prepared.candidates}
+        return {c.backend: _uncached(n, c, bs) for c in prepared.candidates}
 
     def pick_any(self, body: dict[str, Any]) -> tuple[ModelRuntime, list[str]]:
         """Backends for pass-through endpoints (embeddings, tokenize): least loaded first."""
@@ -657,6 +702,13 @@ class Router:
             raise NoHealthyBackend(f"no healthy backend for model {rt.config.name!r}")
         names.sort(key=lambda n: self.loads.get(n).effective_in_flight())
         return rt, names
+
+
+def _uncached(n: int, c: Candidate, bs: int) -> int:
+    """Tokens of an ``n``-token prompt that ``c`` would prefill: all but its hit blocks,
+    capped like vLLM, which always recomputes the last token."""
+    cap = (n - 1) // bs if n > 0 else 0
+    return n - min(max(c.matched_blocks, c.speculative_blocks), cap) * bs
 
 
 def _length_error(rt: ModelRuntime, body: dict[str, Any], lengths: list[int]) -> str | None:
@@ -754,7 +806,7 @@ def _json(obj: Any, status: int = 200) -> Response:
     return Response(_encoder.encode(obj), status_code=status, media_type="application/json")
 
 
-def create_app(config: Config, index: Index | None = None) -> FastAPI:
+def create_app(config: Config, index: Index | None = None) -> Endpoints:
     router = Router(config, index)
     settings = config.router
     api_key = settings.api_key
@@ -770,18 +822,14 @@ def create_app(config: Config, index: Index | None = None) -> FastAPI:
 
     app = FastAPI(title="kvrouter", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.router = router
-
-    @app.exception_handler(RouterError)
-    async def _on_router_error(_: Request, exc: RouterError) -> Response:
-        metrics.child(metrics.REJECTED, str(exc.status), exc.code).inc()
-        return error_response(exc)
+    endpoints = Endpoints(app)
 
     def route(path: str, method: str) -> Any:
-        """Plain Starlette routes: the endpoints read the raw request themselves, so FastAPI's
-        per-request dependency solving would be pure overhead on the hot path."""
+        """Endpoints called straight from :class:`router.dispatch.Endpoints`; FastAPI keeps
+        the lifespan and answers whatever is not ours."""
 
         def register(endpoint: Any) -> Any:
-            app.add_route(path, endpoint, methods=[method])
+            endpoints.add(method, path, endpoint)
             return endpoint
 
         return register
@@ -947,4 +995,4 @@ def create_app(config: Config, index: Index | None = None) -> FastAPI:
             out.append(entry)
         return _json({"backends": out})
 
-    return app
+    return endpoints

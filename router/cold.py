@@ -18,6 +18,15 @@ the full text produces too. A cut never falls inside an added token's text. Ever
 deferred request later compares these ids with its full tokenization; a mismatch is
 counted and turns the probe off for the model, like the segment cache's check.
 
+The same holds for the new turn of a conversation the router has seen. The segment
+cache (:meth:`PromptTokenizer.scan`) gives the exact ids of the history, every segment
+up to the first one it lacks; a backend cannot hold blocks past that point unless the
+new text was sent before, and this router tokenized none of it lately. So the request is
+routed on the history's blocks (outcome ``tail``) and the new turn, at most
+``INLINE_UNCACHED_CHARS`` of it, is tokenized in the background like a cold prompt's
+rest. Longer unseen tails take the probe or the full path: the cost of a miss grows
+with them, and a text sent through another router replica would be one.
+
 The router must still refuse prompts longer than ``max_model_len`` before sending
 them. Deferral therefore needs a bound that holds without tokenizing: with a byte-level
 BPE every token covers at least one byte of the normalized text, so ``tokens <=

@@ -114,7 +114,7 @@ class Ticket:
             self.load.decode_seqs += 1
 
     def settle(self, keys: list[int], prefill: int) -> None:
-        """Replace the estimate a deferred request was sent with (its first block key and
+        """Replace the estimate a deferred request was sent with (the keys of its head and
         a token count from the text's length) by its exact keys and prefill tokens."""
         if self.phase == 2:
             return

@@ -79,10 +79,12 @@ TOKENIZER_FALLBACKS = Counter(
 
 COLD_PATH = Counter(
     "kvrouter_cold_path",
-    "Long single-text prompts by first-block probe outcome: deferred (sent before the full tokenization), "
-    "seen (the segment cache holds nearly all of it: full path, inline), known (block 0 held, "
-    "recently routed or being tokenized: full path), ineligible (length bound, probe "
-    "found no whole block), disabled (tokenizer not byte-level or a probe mismatch)",
+    "Long single-text prompts by what was tokenized before routing: deferred (a cold prompt sent on "
+    "its first block), tail (a seen history sent on its cached ids, the new turn tokenized after), "
+    "seen (the segment cache holds all of it, or too little for a block: full path, inline), known "
+    "(block 0 held, recently routed or being tokenized: full path), busy (the background thread is "
+    "behind: full path), ineligible (length bound, probe found no whole block), disabled (tokenizer "
+    "not byte-level or a probe mismatch)",
     ["model", "outcome"],
 )
 

@@ -31,6 +31,7 @@ import re
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -119,6 +120,17 @@ class UnsupportedPrompt(TokenizeError):
 
 class RemoteTokenizeError(RuntimeError):
     """A backend's ``/tokenize`` could not be reached or answered with a server error."""
+
+
+@dataclass(frozen=True, slots=True)
+class Scan:
+    """:meth:`PromptTokenizer.scan`: ``head`` are the exact ids of ``text[:head_chars]``;
+    ``complete``: the cache held every segment, and ``head`` is the whole prompt's ids."""
+
+    uncached_chars: int
+    head: list[int]
+    head_chars: int
+    complete: bool = False
 
 
 class SegmentCache:
@@ -321,20 +333,43 @@ class PromptTokenizer:
             return None
         return prompt, _bool(body, "add_special_tokens", True)
 
-    def uncached_chars(self, text: str) -> int:
-        """Characters of ``text`` in segments the segment cache does not hold: what
-        :meth:`encode` would send to the tokenizer (all of it without the segment path)."""
-        if self.segment_disabled_reason is not None:
-            return len(text)
-        missing = pos = 0
+    def scan(self, text: str, add_special: bool) -> Scan:
+        """What the segment cache already holds of ``text``, without tokenizing anything:
+        the characters :meth:`encode` would still send to the tokenizer, and the exact ids
+        of the longest prefix made of cached segments (and the added tokens after them).
+
+        Segments tokenize independently (see the module docstring), so those head ids are
+        what full tokenization starts with; with ``add_special`` they include the
+        tokenizer's special prefix, and there is no head when it adds special tokens some
+        other way. Head segments are refreshed in the LRU, the others only peeked at."""
+        if self.segment_disabled_reason is not None or (add_special and self._special_prefix is None):
+            return Scan(len(text), [], 0)
+        head: list[int] = list(self._special_prefix) if add_special else []  # type: ignore[arg-type]
+        head_chars = missing = pos = 0
+        in_head = True
+        get, peek, added = self._cache.get, self._cache.peek, self._added
         matches = self._split_re.finditer(text) if self._split_re is not None else ()
         for m in (*matches, None):
             end = m.start() if m is not None else len(text)
-            if end > pos and self._cache.peek(_segment_key(text[pos:end])) is None:
-                missing += end - pos
+            if end > pos:
+                ids = (get if in_head else peek)(_segment_key(text[pos:end]))
+                if ids is None:
+                    missing += end - pos
+                    in_head = False
+                elif in_head:
+                    head += ids
             if m is not None:
                 pos = m.end()
-        return missing
+                if in_head:
+                    head.append(added[m.group()])
+                    head_chars = pos
+        if not in_head:
+            return Scan(missing, head, head_chars)
+        if head:  # the caller tokenizes nothing more (a partial head is counted by encode)
+            SEGMENT_TOKENS.labels(self.name, "hit").inc(len(head))
+        if add_special:
+            head += self._special_suffix  # type: ignore[arg-type]
+        return Scan(0, head, len(text), complete=True)
 
     def text_ids(self, text: str, add_special: bool, *, check: bool = True) -> list[int]:
         """The ids of a prompt :meth:`prompt_text` returned (an empty prompt is an error)."""

@@ -14,7 +14,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from router.cold import MAX_PROBE_CHARS, HeadProbe
-from router.tokenize import PromptTokenizer
+from router.tokenize import PromptTokenizer, Scan
 from support import GOLDEN, QWEN3_DIR, REPO
 
 BLOCK = 16
@@ -102,11 +102,18 @@ def test_mismatch_disables_the_probe() -> None:
     assert REGISTRY.get_sample_value("kvrouter_cold_head_mismatches_total", {"model": probe.model}) == before + 1
 
 
-def test_uncached_chars_counts_what_encode_would_tokenize() -> None:
+def test_scan_counts_what_encode_would_tokenize_and_gives_the_exact_head() -> None:
     tok = PromptTokenizer.load(str(QWEN3_DIR), verify_rate=0.0)
     history = "<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\n" + "old words " * 300 + "<|im_end|>\n"
     tok.encode(history)
-    assert tok.uncached_chars(history) == 0
+    whole = tok.scan(history, False)
+    assert whole.complete and whole.uncached_chars == 0 and whole.head == tok.encode_full(history)
     turn = "<|im_start|>user\nsomething new<|im_end|>\n<|im_start|>assistant\n"
-    assert tok.uncached_chars(history + turn) == len("user\nsomething new") + len("assistant\n")
-    assert tok.uncached_chars(history + turn) == len("user\nsomething new") + len("assistant\n")  # peek did not insert
+    text = history + turn
+    for _ in range(2):  # peek did not insert
+        scan = tok.scan(text, False)
+        assert scan.uncached_chars == len("user\nsomething new") + len("assistant\n")
+        assert not scan.complete and scan.head_chars == len(history) + len("<|im_start|>")
+        assert scan.head == tok.encode_full(text[: scan.head_chars])
+        assert tok.encode_full(text)[: len(scan.head)] == scan.head
+    assert tok.scan("never seen " * 50, False) == Scan(len("never seen " * 50), [], 0)

@@ -436,13 +436,7 @@ def test_cold_prompt_is_sent_before_its_full_tokenization_then_settled(fleet: di
             assert _cold("deferred") == deferred + 1
             # The background job replaces the length estimate by the exact keys on the ticket.
             expected = httpx.post(r.url + "/debug/route", json=body).json()["num_blocks"]
-            deadline = time.monotonic() + 10
-            while True:
-                load = next(b["load"] for b in httpx.get(r.url + "/debug/backends").json()["backends"] if b["name"] == backend)
-                if load["active_blocks"] == expected or time.monotonic() > deadline:
-                    break
-                time.sleep(0.05)
-            assert load["active_blocks"] == expected, (load, expected)
+            assert _settled_blocks(r.url, backend, expected) == expected
             for _ in chunks:
                 pass
         assert (REGISTRY.get_sample_value("kvrouter_cold_head_checks_total", {"model": MODEL}) or 0.0) == checks + 1
@@ -456,6 +450,43 @@ def test_cold_prompt_is_sent_before_its_full_tokenization_then_settled(fleet: di
         assert again.headers["x-kvrouter-reason"] in ("cache_hit", "speculative_hit")
         assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16 * (expected - 1)
         assert _cold("seen") == seen + 1
+        wait_idle(r.url)
+
+
+def _settled_blocks(url: str, backend: str, expected: int) -> int:
+    """The backend's active blocks once they reach ``expected`` (or after 10 s)."""
+    deadline = time.monotonic() + 10
+    while True:
+        load = next(b["load"] for b in httpx.get(url + "/debug/backends").json()["backends"] if b["name"] == backend)
+        if load["active_blocks"] == expected or time.monotonic() > deadline:
+            return int(load["active_blocks"])
+        time.sleep(0.05)
+
+
+def test_new_turn_of_a_seen_history_is_routed_on_the_history_then_settled(fleet: dict[str, Any]) -> None:
+    """A chat whose history the router tokenized before, plus a new turn: it is routed on
+    the history's exact blocks (a cache hit on the history's backend) before the new turn
+    is tokenized, and the ticket then settles to the whole prompt's blocks."""
+    with InProcessRouter(fleet_config(fleet, policy="kv_aware")) as r:
+        history = [{"role": "system", "content": unique_text(300)}, {"role": "user", "content": unique_text(400)}]
+        first = httpx.post(r.url + "/v1/chat/completions", json={"model": MODEL, "messages": history, "max_tokens": 2}, timeout=60)
+        assert first.status_code == 200
+        backend = first.headers["x-kvrouter-backend"]
+        wait_idle(r.url)
+        history += [{"role": "assistant", "content": "a short answer"}, {"role": "user", "content": "and " + unique_text(30)}]
+        body = {"model": MODEL, "messages": history, "max_tokens": 3000, "min_tokens": 3000, "stream": True}
+        tail = _cold("tail")
+        with httpx.stream("POST", r.url + "/v1/chat/completions", json=body, timeout=60) as resp:
+            assert resp.status_code == 200
+            assert resp.headers["x-kvrouter-backend"] == backend
+            assert resp.headers["x-kvrouter-reason"] in ("cache_hit", "speculative_hit")
+            chunks = resp.iter_raw()
+            next(chunks)
+            assert _cold("tail") == tail + 1
+            expected = httpx.post(r.url + "/debug/route", json=body).json()["num_blocks"]
+            assert _settled_blocks(r.url, backend, expected) == expected
+            for _ in chunks:
+                pass
         wait_idle(r.url)
 
 

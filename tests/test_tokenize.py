@@ -152,6 +152,32 @@ def test_long_segments_take_the_gil_free_path_and_tokenize_identically(qwen3: Pr
         assert qwen3.encode(chat) == qwen3.encode_full(chat)
 
 
+def test_scan_heads_include_a_bos_the_tokenizer_adds(tmp_path: Path) -> None:
+    """With a post-processor that adds a BOS, a scan's head starts with it and a complete
+    scan is exactly ``encode(add_special_tokens=True)``."""
+
+    def add_bos(spec: dict[str, Any]) -> None:
+        bos = {"id": "<|endoftext|>", "ids": [151643], "tokens": ["<|endoftext|>"]}
+        spec["post_processor"] = {
+            "type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {"<|endoftext|>": bos},
+        }
+
+    tok = PromptTokenizer(_qwen3_variant(tmp_path, add_bos), name="bos-scan", verify_rate=0.0)
+    assert tok.special_prefix == [151643]
+    history = "<|im_start|>user\n" + "an old question " * 30 + "<|im_end|>\n"
+    text = history + "<|im_start|>user\nsomething new<|im_end|>\n"
+    tok.encode(history, True)
+    scan = tok.scan(text, True)
+    assert scan.head[0] == 151643 and not scan.complete
+    assert tok.encode_full(text, True)[: len(scan.head)] == scan.head
+    tok.encode(text, True)
+    scan = tok.scan(text, True)
+    assert scan.complete and scan.head == tok.encode_full(text, True)
+
+
 def test_prefix_space_tokenizer_falls_back_to_full_tokenization(tmp_path: Path) -> None:
     def prefix_space(spec: dict[str, Any]) -> None:
         spec["pre_tokenizer"]["pretokenizers"][1]["add_prefix_space"] = True
