@@ -120,14 +120,20 @@ def cold_bodies(texts: Texts, size: int, count: int) -> list[dict[str, Any]]:
             for _ in range(count)]
 
 
-def warm_chat(texts: Texts, count: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def warm_chat(texts: Texts) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A 10-turn history (~8k tokens) and the request that shows it to every target."""
     history = [{"role": "system", "content": texts.take(400)}]
     for k in range(10):
         history.append({"role": "user" if k % 2 == 0 else "assistant", "content": texts.take(760)})
     seen = {"model": MODEL, "messages": [*history, {"role": "user", "content": "an earlier question"}], "max_tokens": 1}
-    bodies = [{"model": MODEL, "messages": [*history, {"role": "user", "content": texts.take(200)}], "max_tokens": 1}
-              for _ in range(count)]
-    return seen, bodies
+    return seen, history
+
+
+def warm_turns(texts: Texts, history: list[dict[str, Any]], count: int) -> list[dict[str, Any]]:
+    """``count`` requests: the seen history plus a new ~200-token turn each, never sent before
+    (to any target: an engine that had cached a turn would answer the next target faster)."""
+    return [{"model": MODEL, "messages": [*history, {"role": "user", "content": f"[{os.urandom(6).hex()}] " + texts.take(200)}], "max_tokens": 1}
+            for _ in range(count)]
 
 
 # -- measurement ------------------------------------------------------------------------
@@ -317,12 +323,11 @@ def main() -> None:
 
         texts = Texts()
         reps = args.reps
-        cases: list[tuple[str, list[dict[str, Any]], dict[str, Any] | None]] = []
+        cases: list[tuple[str, int, dict[str, Any] | None]] = []
         for size in (1000, 4000, 32000):
-            n = reps if size < 32000 else max(4, reps // 4)
-            cases.append((f"cold {size // 1000}k", cold_bodies(texts, size, n * 3), None))
-        seen, warm = warm_chat(texts, reps * 3)
-        cases.append(("warm 10-turn 8k+200", warm, seen))
+            cases.append((f"cold {size // 1000}k", reps if size < 32000 else max(4, reps // 4), None))
+        seen, history = warm_chat(texts)
+        cases.append(("warm 10-turn 8k+200", reps, seen))
 
         tok_ms = {case: tokenizer_ms(texts, int(case.split()[1][:-1]) * 1000) for case, _, prime in cases if prime is None}
         results["tokenizer_ms"] = tok_ms
@@ -330,15 +335,15 @@ def main() -> None:
               + ", ".join(f"{c} {v:.2f} ms" for c, v in tok_ms.items()))
         print("c=1: targets take turns request by request; overhead = median of per-turn differences")
         print(f"{'case':22} {'mode':7} {'conc':>4} {'target':16} {'p50 ms':>8} {'p99 ms':>8} {'ovh p50':>8} {'ovh p99':>8}")
-        for case, bodies, prime in cases:
+        for case, reps_case, prime in cases:
             if prime is not None:
                 for url in targets.values():
                     httpx.post(url + "/v1/chat/completions", json=prime, timeout=60)
             for stream in (False, True):
                 for conc in (1, 32):
-                    n = len(bodies) // 3 if conc == 1 else min(len(bodies), 2 * len(bodies) // 3)
-                    # every target gets fresh prompts of the same size (cold stays cold)
-                    chunks = {t: [dict(b) for b in bodies[:n]] if prime is not None else cold_bodies(texts, int(case.split()[1][:-1]) * 1000, n)
+                    n = reps_case if conc == 1 else 2 * reps_case
+                    # every target gets fresh prompts of the same size (cold stays cold, a new turn is new)
+                    chunks = {t: warm_turns(texts, history, n) if prime is not None else cold_bodies(texts, int(case.split()[1][:-1]) * 1000, n)
                               for t in targets}
                     before = router_side(targets["kvrouter"])
                     if conc == 1:

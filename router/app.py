@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import logging
 import os
 import threading
@@ -76,8 +77,14 @@ _STREAM_STATS_TTL_S = 0.5
 PENDING_WAIT_S = 1.0
 """Longest a request waits for a deferred one with the same first block (its background
 tokenization normally takes as long as this request's own)."""
+SETTLE_DELAY_S = 0.02
+"""A deferred request is tokenized this long after it is sent, or sooner: when its
+response is complete, or when a request with the same first block needs its keys.
+Starting at once would compete for the CPU (and the GIL) with the engine and the event
+loop exactly while the request is being sent and first answered; nothing needs the
+exact keys that soon, and its load ticket carries an estimate meanwhile."""
 MAX_SETTLING = 8
-"""Most deferred requests waiting for the background thread. It is one thread at a low OS
+"""Most deferred requests queued on the background thread. It is one thread at a low OS
 priority: past this it is not keeping up, and a deferred request's load would stay an
 estimate for longer than tokenizing it on the request path takes, so requests take that
 path until it catches up (outcome ``busy``)."""
@@ -153,6 +160,15 @@ class Deferred:
 
 
 @dataclass(slots=True)
+class Pending:
+    """A deferred request's background tokenization: ``wake`` starts it before its delay,
+    ``done`` is set when its keys are known (or it failed)."""
+
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@dataclass(slots=True)
 class Prepared:
     """A request tokenized, hashed and matched, ready for a policy (``deferred``: only
     its first block so far, see :meth:`Router.settle_later`)."""
@@ -209,11 +225,12 @@ class Router:
         self._background: set[asyncio.Task[Any]] = set()
         self._stream_stats: dict[Worker, Any] = {}
         self._stream_stats_at = 0.0
-        self._pending: dict[tuple[str, int], asyncio.Future[None]] = {}
-        """Deferred requests whose full tokenization is running, by (model, block 0 key):
-        a request with the same first block waits for it instead of deciding blind."""
+        self._pending: dict[tuple[str, int], Pending] = {}
+        """Cold deferred requests not yet settled, by (model, block 0 key): a request with
+        the same first block starts their tokenization and waits for it instead of
+        deciding blind."""
         self._settling = 0
-        """Deferred requests not yet settled (see :data:`MAX_SETTLING`)."""
+        """Deferred requests queued on the background thread (see :data:`MAX_SETTLING`)."""
         self._unregister_metrics: Any = None
         self.stream_registry = CollectorRegistry(auto_describe=True)
         """The subscriber's own series, exposed through :class:`metrics.FleetCollector` so
@@ -247,6 +264,10 @@ class Router:
             asyncio.create_task(scrape_forever(self.pool, self.loads, self.settings.metrics_scrape_interval_s)),
             asyncio.create_task(self._learn_max_model_len()),
         ]
+        # What exists now (the imports, the tokenizers: over a million objects) lives as long
+        # as the router: out of the collector's sight, a full collection scans only what
+        # routing allocates. Unfrozen, each took ~50 ms, a stall of every request in flight.
+        gc.freeze()
 
     async def stop(self) -> None:
         for t in self._tasks:
@@ -462,33 +483,38 @@ class Router:
     async def _after_pending(self, model: str, first_key: int) -> None:
         """Wait (bounded) for a deferred request with the same first block to finish
         tokenizing, so this decision sees its keys (a burst follows its first request)."""
-        done = self._pending.get((model, first_key))
-        if done is not None:
+        pending = self._pending.get((model, first_key))
+        if pending is not None:
+            pending.wake.set()
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(asyncio.shield(done), PENDING_WAIT_S)
+                await asyncio.wait_for(pending.done.wait(), PENDING_WAIT_S)
 
-    def settle_later(self, prepared: Prepared, ticket: Ticket) -> None:
+    def settle_later(self, prepared: Prepared, ticket: Ticket) -> Pending:
         """Tokenize and hash a deferred request in the background, then give the policy
         its keys and the load ticket its exact size. Called right after the decision,
-        before any await, so a request with the same new first block finds it pending."""
+        before any await, so a request with the same new first block finds it pending.
+        Setting the returned ``wake`` starts the work before :data:`SETTLE_DELAY_S`."""
         d = prepared.deferred
         assert d is not None
-        pending = None
+        key = (prepared.runtime.config.name, prepared.ctx.keys[0])
+        pending = Pending()
         if d.cold:
-            done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            pending = (prepared.runtime.config.name, prepared.ctx.keys[0]), done
-            self._pending[pending[0]] = done
-        self._settling += 1
-        self._spawn(self._settle(prepared, d, ticket, pending))
+            self._pending[key] = pending
+        self._spawn(self._settle(prepared, d, ticket, key, pending))
+        return pending
 
-    async def _settle(
-        self, prepared: Prepared, d: Deferred, ticket: Ticket, pending: tuple[tuple[str, int], asyncio.Future[None]] | None
-    ) -> None:
+    async def _settle(self, prepared: Prepared, d: Deferred, ticket: Ticket, key: tuple[str, int], pending: Pending) -> None:
         rt = prepared.runtime
         assert rt.probe is not None
         try:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(pending.wake.wait(), SETTLE_DELAY_S)
             loop = asyncio.get_running_loop()
-            ids, _, keys = await loop.run_in_executor(self.background, self._local, rt, d.body, d.kind, d.lora, d.salt, d.prompt)
+            self._settling += 1
+            try:
+                ids, _, keys = await loop.run_in_executor(self.background, self._local, rt, d.body, d.kind, d.lora, d.salt, d.prompt)
+            finally:
+                self._settling -= 1
             if d.cold:
                 rt.probe.check(d.head, ids)
             chosen = next(c for c in prepared.candidates if c.backend == ticket.load.name)
@@ -501,10 +527,9 @@ class Router:
             log.warning("background tokenization of a deferred %s request failed: %r", rt.config.name, e)
             metrics.child(metrics.COLD_PATH, rt.config.name, "settle_error").inc()
         finally:
-            self._settling -= 1
-            if pending is not None:
-                self._pending.pop(pending[0], None)
-                pending[1].set_result(None)
+            if self._pending.get(key) is pending:
+                del self._pending[key]
+            pending.done.set()
 
     async def _tokens_and_keys(
         self,
@@ -857,7 +882,9 @@ def create_app(config: Config, index: Index | None = None) -> Endpoints:
         ticket = router.loads.acquire(chosen, prepared.ctx.keys, prefill[chosen])
         router.commit(prepared, chosen)
         if prepared.deferred is not None:
-            router.settle_later(prepared, ticket)
+            on_done: Any = router.settle_later(prepared, ticket).wake.set
+        else:
+            on_done = None
         return ProxyResponse(
             pool=router.pool,
             loads=router.loads,
@@ -876,6 +903,7 @@ def create_app(config: Config, index: Index | None = None) -> Endpoints:
             reason=prepared.decision.reason,
             ticket=ticket,
             on_fallback=lambda backend: router.commit(prepared, backend),
+            on_done=on_done,
         )
 
     @route("/v1/chat/completions", "POST")

@@ -6,7 +6,8 @@ exception, exit-stack) and Starlette's route matching did nothing for it but cos
 with a null engine behind it, a minimal uvicorn + aiohttp proxy added 0.3 ms per request
 and the router's stack alone about as much again, on every request. :class:`Endpoints`
 looks the (method, path) up in a dict and calls the endpoint; anything else (lifespan,
-HEAD, an unknown path) goes to the FastAPI app, which also owns start-up and shutdown.
+HEAD, a wrong method, an unknown path) goes to the FastAPI app, which also owns start-up
+and shutdown and knows the same routes (so a wrong method is a 405 there).
 
 Errors keep one shape: a :class:`~router.errors.RouterError` becomes its OpenAI error
 (counted in ``kvrouter_rejected_total``), and an unexpected exception is logged and
@@ -21,7 +22,8 @@ from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.applications import Starlette
+from starlette.types import Receive, Scope, Send
 
 from router import metrics
 from router.errors import RouterError, error_response
@@ -36,12 +38,18 @@ def answer_error(exc: RouterError) -> Response:
     return error_response(exc)
 
 
+async def _on_router_error(_: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RouterError)
+    return answer_error(exc)
+
+
 class Endpoints:
     """ASGI app: ``routes[(method, path)]`` directly, ``fallback`` for everything else."""
 
-    def __init__(self, fallback: Any) -> None:
-        self.fallback: ASGIApp = fallback
+    def __init__(self, fallback: Starlette) -> None:
+        self.fallback = fallback
         self.routes: dict[tuple[str, str], Endpoint] = {}
+        fallback.add_exception_handler(RouterError, _on_router_error)
 
     @property
     def state(self) -> Any:
@@ -49,6 +57,7 @@ class Endpoints:
 
     def add(self, method: str, path: str, endpoint: Endpoint) -> None:
         self.routes[(method, path)] = endpoint
+        self.fallback.add_route(path, endpoint, methods=[method])
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         endpoint = self.routes.get((scope["method"], scope["path"])) if scope["type"] == "http" else None

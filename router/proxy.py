@@ -83,6 +83,7 @@ class ProxyResponse(Response):
         reason: str = "",
         ticket: Ticket | None = None,
         on_fallback: Any = None,
+        on_done: Any = None,
     ) -> None:
         self.status_code = 200
         self.background = None
@@ -102,23 +103,35 @@ class ProxyResponse(Response):
         self._retries = retries
         self._first_ticket = ticket
         self._on_fallback = on_fallback
+        self._on_done = on_done
         self._reason = reason
         self._backend_down = False
+        self._client_gone = False
         self._response_started = False
         self._watched: tuple[BackendState, asyncio.Task[Any]] | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        main = asyncio.ensure_future(self._run(send))
-        watcher = asyncio.ensure_future(_wait_disconnect(receive))
+        """Runs the exchange in the request's own task (a watcher cancels it if the client
+        goes away). Not in a task of its own: the upstream request is then written before
+        this task first waits, so background work the endpoint scheduled (a deferred
+        request's tokenization) starts only after the request is on its way."""
+        task = asyncio.current_task()
+        assert task is not None
+        watcher = asyncio.ensure_future(self._cancel_on_disconnect(receive, task))
         try:
-            done, _ = await asyncio.wait((main, watcher), return_when=asyncio.FIRST_COMPLETED)
-            if main not in done:
-                main.cancel()
-                await asyncio.gather(main, return_exceptions=True)
-            else:
-                main.result()
+            await self._run(send)
+        except asyncio.CancelledError:
+            if not self._client_gone:
+                raise
+            _uncancel()
         finally:
             watcher.cancel()
+
+    async def _cancel_on_disconnect(self, receive: Receive, task: asyncio.Task[Any]) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self._client_gone = True
+        task.cancel()
 
     async def _run(self, send: Send) -> None:
         status = 499
@@ -169,6 +182,8 @@ class ProxyResponse(Response):
                 else:
                     upstream.close()
             metrics.child(metrics.REQUESTS, self._model, backend_name, self._policy, str(status)).inc()
+            if self._on_done is not None:
+                self._on_done()
 
     def _watch(self, backend: BackendState) -> None:
         task = asyncio.current_task()
@@ -342,13 +357,6 @@ def _uncancel() -> None:
     task = asyncio.current_task()
     if task is not None and hasattr(task, "uncancel"):
         task.uncancel()
-
-
-async def _wait_disconnect(receive: Receive) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
 
 
 async def _no_receive() -> dict[str, Any]:
