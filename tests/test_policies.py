@@ -90,7 +90,10 @@ def test_approx_index_matches_leading_blocks_until_ttl() -> None:
     idx = ApproxPrefixIndex(ttl_s=10.0, max_blocks=100, clock=lambda: now[0])
     idx.insert([1, 2, 3, 4], "a")
     idx.insert([1, 2, 9], "b")
-    assert idx.match([1, 2, 3, 4, 5]) == {"a": 4, "b": 2}
+    # "a" sent all of [1, 2, 3, 4]; "b" left it inside a stride, where only its first key
+    # is stored: rounded down (see the module docstring).
+    assert idx.match([1, 2, 3, 4, 5]) == {"a": 4, "b": 1}
+    assert idx.match([1, 2, 9, 7]) == {"a": 1, "b": 3}
     assert idx.match([5, 1]) == {}
     now[0] = 11.0
     assert idx.match([1, 2, 3]) == {}
@@ -98,7 +101,7 @@ def test_approx_index_matches_leading_blocks_until_ttl() -> None:
 
 def test_approx_index_is_bounded() -> None:
     idx = ApproxPrefixIndex(ttl_s=100.0, max_blocks=10)
-    idx.insert(list(range(1, 50)), "a")
+    idx.insert(list(range(1, 500)), "a")
     assert len(idx) == 10
 
 
@@ -321,3 +324,33 @@ def test_approx_index_binary_search_equals_the_walk() -> None:
         now[0] += rng.random() * 0.2
         probe = rng.choice(chains)
         assert idx.match(probe) == idx.match_reference(probe), step
+
+
+def test_sparse_approx_index_is_exact_for_extensions_and_never_more_than_a_stride_short() -> None:
+    """Against the truth kept by hand (every chain sent, whole): a request that extends a
+    chain sent before matches all of it; one that leaves a chain mid-stride loses less than
+    a stride; no match ever exceeds the truth."""
+    from router.policies.approx_index import STRIDE
+
+    rng = random.Random(5)
+    idx = ApproxPrefixIndex(ttl_s=1e9, max_blocks=1_000_000)
+    sent: list[tuple[list[int], str]] = []
+    bases = [[rng.randrange(1 << 62) for _ in range(300)] for _ in range(4)]
+    for step in range(300):
+        base = rng.choice(bases)
+        cut = rng.randrange(1, 300)
+        probe = base[:cut] + [rng.randrange(1 << 62) for _ in range(rng.randrange(0, 40))]
+        truth: dict[str, int] = {}
+        for chain, backend in sent:
+            shared = next((i for i, (x, y) in enumerate(zip(chain, probe)) if x != y), min(len(chain), len(probe)))
+            if shared:
+                truth[backend] = max(truth.get(backend, 0), shared)
+        got = idx.match(probe)
+        assert got == idx.match_reference(probe), step
+        for backend, n in truth.items():
+            assert n - STRIDE < got.get(backend, 0) <= n, (step, backend, n, got)
+            if any(b == backend and len(c) <= len(probe) and probe[: len(c)] == c for c, b in sent):
+                assert got[backend] >= max(len(c) for c, b in sent if b == backend and probe[: len(c)] == c)
+        backend = rng.choice("ab")
+        idx.insert(probe, backend)
+        sent.append((probe, backend))

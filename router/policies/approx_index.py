@@ -7,8 +7,14 @@ its real events arrive).
 
 Block keys chain their parent (vLLM's hash of block i covers blocks 0..i), so a flat
 dict of keys *is* a prefix tree: a key present means the whole prefix up to it was
-sent there. Leading matches are found by walking the request's keys until no
-backend continues.
+sent there. So a chain need not be stored whole: :meth:`insert` keeps its first key,
+every :data:`STRIDE`-th and its last (a 450-block chat history is 30 entries, not 450:
+each request re-inserts its history, and this ran on every request's critical path).
+:meth:`match` binary-searches a request's keys at those same positions, then looks at
+the keys between the last one held and the next (where a shorter chain sent before
+may have ended). The answer is exact for a prefix sent before whole, or extended; when
+the request leaves a longer chain in the middle of a stride, it is rounded down to the
+stride (< 16 blocks short).
 
 Invariants:
 
@@ -16,8 +22,8 @@ Invariants:
   to the end), so expiry and the size bound only ever pop from the front;
 - a request's keys are inserted tail first, so a chain's head is always at least as
   fresh as its tail: eviction drops tails before heads (as vLLM's free queue does), and
-  for any backend "key i is held" is true for a prefix of the request's keys. ``match``
-  therefore binary-searches each backend's run length instead of walking every key.
+  for any backend "the key at a stored position is held" is true for a prefix of those
+  positions, which is what the binary search needs.
 """
 
 from __future__ import annotations
@@ -25,6 +31,17 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+
+
+STRIDE = 16
+
+
+def _positions(n: int) -> list[int]:
+    """The positions of an ``n``-key chain that :meth:`ApproxPrefixIndex.insert` stores."""
+    out = [0, *range(STRIDE - 1, n - 1, STRIDE)]
+    if n > 1:
+        out.append(n - 1)
+    return out
 
 
 class ApproxPrefixIndex:
@@ -43,7 +60,8 @@ class ApproxPrefixIndex:
         now = self._clock()
         expiry = now + self.ttl_s
         entries = self._entries
-        for k in reversed(keys):
+        for p in reversed(_positions(len(keys))):
+            k = keys[p]
             owners = entries.get(k)
             if owners is None:
                 entries[k] = {backend: expiry}
@@ -53,7 +71,8 @@ class ApproxPrefixIndex:
         self._expire(now)
 
     def match(self, keys: list[int]) -> dict[str, int]:
-        """Leading blocks of ``keys`` each backend was sent within the TTL."""
+        """Leading blocks of ``keys`` each backend was sent within the TTL (see the module
+        docstring for the rounding)."""
         if not keys:
             return {}
         now = self._clock()
@@ -61,35 +80,46 @@ class ApproxPrefixIndex:
         head = entries.get(keys[0])
         if head is None:
             return {}
+        positions = _positions(len(keys))
+
+        def held(p: int, backend: str) -> bool:
+            owners = entries.get(keys[p])
+            return owners is not None and owners.get(backend, 0.0) > now
+
         counts: dict[str, int] = {}
         for backend, expiry in head.items():
             if expiry <= now:
                 continue
-            lo, hi = 1, len(keys)  # keys[:lo] held; keys[hi:] not known to be held
+            lo, hi = 0, len(positions) - 1  # positions[:lo + 1] held; positions[hi + 1:] not
             while lo < hi:
                 mid = (lo + hi + 1) // 2
-                owners = entries.get(keys[mid - 1])
-                if owners is not None and owners.get(backend, 0.0) > now:
+                if held(positions[mid], backend):
                     lo = mid
                 else:
                     hi = mid - 1
-            counts[backend] = lo
+            last = positions[lo]
+            if lo + 1 < len(positions):
+                last = next((p for p in range(positions[lo + 1] - 1, last, -1) if held(p, backend)), last)
+            counts[backend] = last + 1
         return counts
 
     def match_reference(self, keys: list[int]) -> dict[str, int]:
-        """:meth:`match` by walking every key (the tests compare the two)."""
+        """:meth:`match` by walking every key (the tests compare the two): a backend's match
+        ends after the last key it holds, while the stored positions before it are held."""
         now = self._clock()
+        stored = set(_positions(len(keys)))
         counts: dict[str, int] = {}
+        alive: set[str] | None = None
         for i, k in enumerate(keys):
-            owners = self._entries.get(k)
-            if owners is None:
-                break
-            advanced = False
-            for backend, expiry in owners.items():
-                if expiry > now and counts.get(backend, 0) == i:
-                    counts[backend] = i + 1
-                    advanced = True
-            if not advanced:
+            owners = self._entries.get(k) or {}
+            here = {b for b, expiry in owners.items() if expiry > now}
+            if alive is None:
+                alive = here
+            for b in here & alive:
+                counts[b] = i + 1
+            if i in stored:
+                alive &= here
+            if not alive:
                 break
         return counts
 
