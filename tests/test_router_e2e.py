@@ -427,18 +427,8 @@ def _cold(outcome: str) -> float:
 def test_cold_prompt_is_sent_before_its_full_tokenization_then_settled(fleet: dict[str, Any]) -> None:
     with InProcessRouter(fleet_config(fleet, policy="kv_aware")) as r:
         body = {"model": MODEL, "messages": [{"role": "user", "content": unique_text(600)}], "max_tokens": 3000, "min_tokens": 3000, "stream": True}
-        deferred, checks = _cold("deferred"), REGISTRY.get_sample_value("kvrouter_cold_head_checks_total", {"model": MODEL}) or 0.0
-        with httpx.stream("POST", r.url + "/v1/chat/completions", json=body, timeout=60) as resp:
-            assert resp.status_code == 200
-            backend = resp.headers["x-kvrouter-backend"]
-            chunks = resp.iter_raw()  # kept referenced: a dropped generator closes the stream
-            next(chunks)
-            assert _cold("deferred") == deferred + 1
-            # The background job replaces the length estimate by the exact keys on the ticket.
-            expected = httpx.post(r.url + "/debug/route", json=body).json()["num_blocks"]
-            assert _settled_blocks(r.url, backend, expected) == expected
-            for _ in chunks:
-                pass
+        checks = REGISTRY.get_sample_value("kvrouter_cold_head_checks_total", {"model": MODEL}) or 0.0
+        backend, _ = _deferred_then_settled(r.url, body, "deferred")
         assert (REGISTRY.get_sample_value("kvrouter_cold_head_checks_total", {"model": MODEL}) or 0.0) == checks + 1
         assert not REGISTRY.get_sample_value("kvrouter_cold_head_mismatches_total", {"model": MODEL})
         wait_idle(r.url)
@@ -448,19 +438,37 @@ def test_cold_prompt_is_sent_before_its_full_tokenization_then_settled(fleet: di
         again = httpx.post(r.url + "/v1/chat/completions", json={**body, "stream": False}, timeout=60)
         assert again.status_code == 200 and again.headers["x-kvrouter-backend"] == backend
         assert again.headers["x-kvrouter-reason"] in ("cache_hit", "speculative_hit")
-        assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16 * (expected - 1)
+        assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16 * (_num_blocks(r.url, body) - 1)
         assert _cold("seen") == seen + 1
         wait_idle(r.url)
 
 
-def _settled_blocks(url: str, backend: str, expected: int) -> int:
-    """The backend's active blocks once they reach ``expected`` (or after 10 s)."""
-    deadline = time.monotonic() + 10
-    while True:
-        load = next(b["load"] for b in httpx.get(url + "/debug/backends").json()["backends"] if b["name"] == backend)
-        if load["active_blocks"] == expected or time.monotonic() > deadline:
-            return int(load["active_blocks"])
-        time.sleep(0.05)
+def _deferred_then_settled(url: str, body: dict[str, Any], outcome: str) -> tuple[str, str]:
+    """Stream ``body`` (a long generation), check it was sent with ``outcome`` before its first
+    chunk, and that while it streams the background job replaces the estimate on its ticket by
+    the exact keys; the backend and the reason."""
+    before = _cold(outcome)
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as resp:
+        assert resp.status_code == 200
+        backend, reason = resp.headers["x-kvrouter-backend"], resp.headers["x-kvrouter-reason"]
+        chunks = resp.iter_raw()  # kept referenced: a dropped generator closes the stream
+        next(chunks)
+        assert _cold(outcome) == before + 1
+        expected = _num_blocks(url, body)
+        deadline = time.monotonic() + 10
+        while True:
+            load = next(b["load"] for b in httpx.get(url + "/debug/backends").json()["backends"] if b["name"] == backend)
+            if load["active_blocks"] == expected or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert load["active_blocks"] == expected, (load, expected)
+        for _ in chunks:
+            pass
+    return backend, reason
+
+
+def _num_blocks(url: str, body: dict[str, Any]) -> int:
+    return int(httpx.post(url + "/debug/route", json=body).json()["num_blocks"])
 
 
 def test_new_turn_of_a_seen_history_is_routed_on_the_history_then_settled(fleet: dict[str, Any]) -> None:
@@ -475,18 +483,24 @@ def test_new_turn_of_a_seen_history_is_routed_on_the_history_then_settled(fleet:
         wait_idle(r.url)
         history += [{"role": "assistant", "content": "a short answer"}, {"role": "user", "content": "and " + unique_text(30)}]
         body = {"model": MODEL, "messages": history, "max_tokens": 3000, "min_tokens": 3000, "stream": True}
-        tail = _cold("tail")
-        with httpx.stream("POST", r.url + "/v1/chat/completions", json=body, timeout=60) as resp:
-            assert resp.status_code == 200
-            assert resp.headers["x-kvrouter-backend"] == backend
-            assert resp.headers["x-kvrouter-reason"] in ("cache_hit", "speculative_hit")
-            chunks = resp.iter_raw()
-            next(chunks)
-            assert _cold("tail") == tail + 1
-            expected = httpx.post(r.url + "/debug/route", json=body).json()["num_blocks"]
-            assert _settled_blocks(r.url, backend, expected) == expected
-            for _ in chunks:
-                pass
+        assert _deferred_then_settled(r.url, body, "tail") in ((backend, "cache_hit"), (backend, "speculative_hit"))
+        wait_idle(r.url)
+
+
+def test_a_backlogged_background_thread_sends_prompts_down_the_full_path(fleet: dict[str, Any]) -> None:
+    from router.app import MAX_SETTLING
+
+    with InProcessRouter(fleet_config(fleet, policy="kv_aware")) as r:
+        router = r.server.config.app.state.router
+        router._settling = MAX_SETTLING  # as if that many deferred requests were queued
+        busy, deferred = _cold("busy"), _cold("deferred")
+        body = {"model": MODEL, "messages": [{"role": "user", "content": unique_text(600)}], "max_tokens": 2}
+        assert httpx.post(r.url + "/v1/chat/completions", json=body, timeout=60).status_code == 200
+        assert (_cold("busy"), _cold("deferred")) == (busy + 1, deferred)
+        router._settling = 0
+        assert httpx.post(r.url + "/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": unique_text(600)}]},
+                          timeout=60).status_code == 200
+        assert _cold("deferred") == deferred + 1
         wait_idle(r.url)
 
 
