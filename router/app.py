@@ -138,9 +138,9 @@ class Rendered:
 class Deferred:
     """A prompt routed on the exact ids of its head; the rest is tokenized after it is sent.
 
-    ``cold``: the head is the first block of a never-seen prompt (:mod:`router.cold`).
-    Otherwise it is the part of a re-sent history the segment cache holds, the first
-    ``head_chars`` characters, and the tail is a new turn (see :meth:`Router._probe`)."""
+    The head is either the first block of a never-seen prompt (``cold``,
+    :mod:`router.cold`) or the part of a re-sent history the segment cache holds, its
+    first ``head_chars`` characters, whose tail is a new turn (see :meth:`Router._probe`)."""
 
     prompt: Rendered
     head: list[int]
@@ -150,12 +150,15 @@ class Deferred:
     salt: str | None
     body: dict[str, Any]
     kind: str
-    cold: bool = True
     head_chars: int = 0
+
+    @property
+    def cold(self) -> bool:
+        return self.head_chars == 0
 
     def max_tokens(self, probe: HeadProbe) -> int:
         """An upper bound on the prompt's length: exact head, byte bound on the rest."""
-        known = len(self.head) if self.head_chars else 0
+        known = 0 if self.cold else len(self.head)
         return known + probe.max_tokens(self.prompt.text[self.head_chars :], self.prompt.add_special)
 
 
@@ -454,11 +457,9 @@ class Router:
         if len(text) < MIN_CHARS:  # below INLINE_UNCACHED_CHARS whatever the cache holds
             return Rendered(text, add_special, len(text)), None
         scan = tok.scan(text, add_special)
-        rendered = Rendered(text, add_special, scan.uncached_chars)
+        head = scan.head
+        rendered = Rendered(text, add_special, scan.uncached_chars, head if scan.complete else None)
         if rendered.uncached_chars <= INLINE_UNCACHED_CHARS:
-            head = scan.head
-            if scan.complete:
-                rendered.ids = head
             if scan.complete or len(head) < rt.config.block_size:
                 metrics.child(metrics.COLD_PATH, rt.config.name, "seen").inc()
                 return rendered, None
@@ -467,7 +468,7 @@ class Router:
             # chained), so routing on the history decides what the whole prompt would.
             keys = rt.hash_cache.hash_int64(head, lora=lora, cache_salt=salt)
             estimate = len(head) + round((len(text) - scan.head_chars) * len(head) / max(1, scan.head_chars))
-            return rendered, Deferred(rendered, head, keys, estimate, lora, salt, body, kind, cold=False, head_chars=scan.head_chars)
+            return rendered, Deferred(rendered, head, keys, estimate, lora, salt, body, kind, scan.head_chars)
         if not probe.enabled:
             metrics.child(metrics.COLD_PATH, rt.config.name, "disabled").inc()
             return rendered, None

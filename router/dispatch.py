@@ -20,9 +20,9 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.applications import Starlette
 from starlette.types import Receive, Scope, Send
 
 from router import metrics
