@@ -45,6 +45,7 @@ from router.cold import MIN_CHARS, HeadProbe
 from router.config import Config, Model
 from router.dispatch import Endpoints
 from router.hash_cache import HashCache
+from router.history import Chain, Entry, HistoryMemo, Hit, chain_of, digest, learn_entries
 from router.errors import (
     BadRequest,
     BodyTooLarge,
@@ -117,6 +118,8 @@ class ModelRuntime:
     has_events: bool = False
     memory: PrefixMemory | None = None
     """The policy itself when it remembers its decisions by prefix (kv_aware, prefix_approx)."""
+    history: HistoryMemo | None = None
+    """Block keys of chat histories already tokenized (``router.history_memo``)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.policy, PrefixMemory):
@@ -138,11 +141,12 @@ class Rendered:
 class Deferred:
     """A prompt routed on the exact ids of its head; the rest is tokenized after it is sent.
 
-    The head is either the first block of a never-seen prompt (``cold``,
-    :mod:`router.cold`) or the part of a re-sent history the segment cache holds, its
-    first ``head_chars`` characters, whose tail is a new turn (see :meth:`Router._probe`)."""
+    The head is the first block of a never-seen prompt (``cold``, :mod:`router.cold`),
+    the part of a re-sent history the segment cache holds, its first ``head_chars``
+    characters, whose tail is a new turn (see :meth:`Router._probe`), or the keys
+    remembered for a history, nothing rendered yet (``history``, :mod:`router.history`)."""
 
-    prompt: Rendered
+    prompt: Rendered | None
     head: list[int]
     keys: list[int]
     estimate: int
@@ -151,14 +155,17 @@ class Deferred:
     body: dict[str, Any]
     kind: str
     head_chars: int = 0
+    history: Hit | None = None
 
     @property
     def cold(self) -> bool:
-        return self.head_chars == 0
+        return self.head_chars == 0 and self.history is None
 
     def max_tokens(self, probe: HeadProbe) -> int:
-        """An upper bound on the prompt's length: exact head, byte bound on the rest."""
-        known = 0 if self.cold else len(self.head)
+        """An upper bound on the prompt's length: the exact head (or remembered history),
+        a byte bound on the rest."""
+        assert self.prompt is not None, "a history is routed unrendered only without a configured limit"
+        known = self.history.entry.tokens if self.history is not None else 0 if self.cold else len(self.head)
         return known + probe.max_tokens(self.prompt.text[self.head_chars :], self.prompt.add_special)
 
 
@@ -183,6 +190,10 @@ class Prepared:
     decision: Decision
     deferred: Deferred | None = None
     backend: str = ""
+    chain: Chain | None = None
+    """Its messages' history-memo keys, when the memo applies (it learns from the request)."""
+    rendered: Rendered | None = None
+    body: dict[str, Any] = field(default_factory=dict)
 
 
 class Router:
@@ -217,6 +228,8 @@ class Router:
                 max_model_len=m.max_model_len,
                 has_events=any(b.kv_events for b in m.backends),
             )
+            if self.settings.history_memo and self.settings.defer_cold_prompts:
+                rt.history = HistoryMemo(m.name)
             self.models[m.name] = rt
             self.served[m.name] = (rt, None)
             for a in m.lora_adapters:
@@ -379,12 +392,19 @@ class Router:
         if salt is not None and not isinstance(salt, str):
             raise BadRequest("'cache_salt' must be a string")
         forced_reason = None
-        rendered = deferred = None
+        rendered = deferred = chain = None
         if defer and self.settings.defer_cold_prompts and raw_len >= MIN_CHARS:
-            rendered, deferred = self._probe(rt, body, kind, lora, salt)
+            chain = self._chain(rt, body, kind)
+            prompt = None
+            if chain is not None and self._settling < MAX_SETTLING:
+                prompt, deferred = self._recall(rt, body, kind, lora, salt, chain)
+            if deferred is None:
+                rendered, deferred = self._probe(rt, body, kind, lora, salt, prompt)
+            else:
+                rendered = deferred.prompt
             if deferred is not None:
                 hits = await self._lookup(rt, deferred.keys)
-                outcome = "deferred" if deferred.cold else "tail"
+                outcome = "history" if deferred.history is not None else "deferred" if deferred.cold else "tail"
                 memory = rt.memory
                 if deferred.cold and (
                     hits or (memory is not None and memory.remembers(deferred.keys)) or (rt.config.name, deferred.keys[0]) in self._pending
@@ -395,7 +415,7 @@ class Router:
                 elif rt.config.max_model_len is not None and _length_error(rt, body, [deferred.max_tokens(rt.probe)]):  # type: ignore[arg-type]
                     outcome = "ineligible"  # a configured limit, maybe below the engines': check it exactly
                 metrics.child(metrics.COLD_PATH, rt.config.name, outcome).inc()
-                if outcome not in ("deferred", "tail"):
+                if outcome not in ("deferred", "tail", "history"):
                     deferred = None
         if deferred is not None:
             token_ids: list[int] = []
@@ -428,7 +448,15 @@ class Router:
         decision.detail["prepare_s"] = time.perf_counter() - started
         if deferred is not None:
             decision.detail["deferred_tokens"] = num_tokens
-        return Prepared(rt, token_ids, ctx, candidates, decision, deferred)
+        return Prepared(rt, token_ids, ctx, candidates, decision, deferred, chain=chain, rendered=rendered, body=body)
+
+    @staticmethod
+    def _chain(rt: ModelRuntime, body: dict[str, Any], kind: str) -> Chain | None:
+        """The request's history-memo keys, when the memo can route it or learn from it."""
+        memo, tok = rt.history, rt.tokenizer
+        if kind != "chat" or memo is None or not memo.enabled or tok is None or not tok.segment_enabled or rt.guard.mode == "remote":
+            return None
+        return chain_of(body)
 
     async def _lookup(self, rt: ModelRuntime, keys: list[int]) -> dict[Worker, dict[str, int]]:
         t0 = time.perf_counter()
@@ -436,21 +464,45 @@ class Router:
         metrics.child(metrics.LOOKUP_SECONDS, rt.config.name).observe(time.perf_counter() - t0)
         return hits
 
+    def _recall(
+        self, rt: ModelRuntime, body: dict[str, Any], kind: str, lora: dict[str, Any] | None, salt: str | None, chain: Chain
+    ) -> tuple[tuple[str, bool] | None, Deferred | None]:
+        """A chat whose messages start with a remembered history: deferred on that
+        history's keys (see :mod:`router.history`). Its template is rendered only under a
+        configured length limit, which needs a bound: the remembered prefix's tokens,
+        when the rendering does start with that text, plus a byte bound on the rest.
+        Also returns the rendered prompt when there was one."""
+        assert rt.history is not None and rt.tokenizer is not None
+        hit = rt.history.find(chain)
+        if hit is None:
+            return None, None
+        entry = hit.entry
+        if rt.config.max_model_len is None:
+            return None, Deferred(None, [], entry.keys, hit.estimate(chain), lora, salt, body, kind, history=hit)
+        prompt = _render(rt.tokenizer, body, kind)
+        if prompt is None or digest(prompt[0], entry.chars) != entry.digest:
+            return prompt, None
+        text, add_special = prompt
+        rendered = Rendered(text, add_special, len(text) - entry.chars)
+        return prompt, Deferred(rendered, [], entry.keys, hit.estimate(chain), lora, salt, body, kind, entry.chars, history=hit)
+
     def _probe(
-        self, rt: ModelRuntime, body: dict[str, Any], kind: str, lora: dict[str, Any] | None, salt: str | None
+        self,
+        rt: ModelRuntime,
+        body: dict[str, Any],
+        kind: str,
+        lora: dict[str, Any] | None,
+        salt: str | None,
+        prompt: tuple[str, bool] | None = None,
     ) -> tuple[Rendered | None, Deferred | None]:
-        """The rendered prompt (reused by the full path) and, for a long one the segment
-        cache has mostly not seen, a deferral candidate: its first block's key and
-        estimated length (see :mod:`router.cold`)."""
+        """The rendered prompt (reused by the full path; ``prompt`` when already rendered)
+        and, for a long one the segment cache has mostly not seen, a deferral candidate:
+        its first block's key and estimated length (see :mod:`router.cold`)."""
         probe, tok = rt.probe, rt.tokenizer
         if probe is None or tok is None or rt.guard.mode == "remote":
             return None, None
-        try:
-            prompt = tok.prompt_text(body, kind)
-        except UnsupportedPrompt:
-            return None, None
-        except TokenizeError as e:
-            raise BadRequest(str(e)) from e
+        if prompt is None:
+            prompt = _render(tok, body, kind)
         if prompt is None:
             return None, None
         text, add_special = prompt
@@ -506,18 +558,20 @@ class Router:
 
     async def _settle(self, prepared: Prepared, d: Deferred, ticket: Ticket, key: tuple[str, int], pending: Pending) -> None:
         rt = prepared.runtime
-        assert rt.probe is not None
         try:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(pending.wake.wait(), SETTLE_DELAY_S)
+            await _woken(pending.wake)
             loop = asyncio.get_running_loop()
             self._settling += 1
             try:
-                ids, _, keys = await loop.run_in_executor(self.background, self._local, rt, d.body, d.kind, d.lora, d.salt, d.prompt)
+                ids, keys, learned = await loop.run_in_executor(self.background, self._settle_job, rt, d, prepared.chain)
             finally:
                 self._settling -= 1
             if d.cold:
+                assert rt.probe is not None
                 rt.probe.check(d.head, ids)
+            if d.history is not None and rt.history is not None:
+                rt.history.check(d.history, keys)
+            self._remember_history(rt, learned)
             chosen = next(c for c in prepared.candidates if c.backend == ticket.load.name)
             ticket.settle(keys, _uncached(len(ids), chosen, prepared.ctx.block_size))
             if rt.memory is not None:
@@ -531,6 +585,68 @@ class Router:
             if self._pending.get(key) is pending:
                 del self._pending[key]
             pending.done.set()
+
+    def _settle_job(self, rt: ModelRuntime, d: Deferred, chain: Chain | None) -> tuple[list[int], list[int], list[tuple[int, Entry]]]:
+        """A deferred request's ids and keys, and the history entries it teaches (background thread)."""
+        prompt = d.prompt
+        if prompt is None:  # routed on remembered keys: rendered only now
+            assert rt.tokenizer is not None
+            got = rt.tokenizer.prompt_text(d.body, d.kind)
+            prompt = Rendered(got[0], got[1], len(got[0])) if got is not None else None
+        ids, _, keys = self._local(rt, d.body, d.kind, d.lora, d.salt, prompt)
+        return ids, keys, self._history_job(rt, chain, d.body, prompt, keys)
+
+    def learn_later(self, prepared: Prepared) -> Any:
+        """For a chat request tokenized before it was sent: remember its messages' keys
+        for the next turn, in the background once it is answered (or after
+        :data:`SETTLE_DELAY_S`). Returns the callable that starts it sooner, or None when
+        there is nothing to learn."""
+        memo, chain = prepared.runtime.history, prepared.chain
+        if memo is None or chain is None or not prepared.ctx.keys:
+            return None
+        if chain.hashes[-1] in memo and (len(chain.hashes) == 1 or chain.hashes[-2] in memo):
+            return None
+        wake = asyncio.Event()
+        self._spawn(self._learn(prepared, wake))
+        return wake.set
+
+    async def _learn(self, prepared: Prepared, wake: asyncio.Event) -> None:
+        rt = prepared.runtime
+        await _woken(wake)
+        if self._settling >= MAX_SETTLING:
+            return  # background work is behind: learn from a later turn instead
+        loop = asyncio.get_running_loop()
+        self._settling += 1
+        try:
+            learned = await loop.run_in_executor(
+                self.background, self._history_job, rt, prepared.chain, prepared.body, prepared.rendered, prepared.ctx.keys
+            )
+        except Exception as e:  # noqa: BLE001 - only the next turn's shortcut is lost
+            log.warning("learning a %s chat history failed: %r", rt.config.name, e)
+            return
+        finally:
+            self._settling -= 1
+        self._remember_history(rt, learned)
+
+    @staticmethod
+    def _history_job(
+        rt: ModelRuntime, chain: Chain | None, body: dict[str, Any], prompt: Rendered | None, keys: list[int]
+    ) -> list[tuple[int, Entry]]:
+        tok, memo = rt.tokenizer, rt.history
+        if chain is None or tok is None or memo is None:
+            return []
+        if prompt is None:
+            got = tok.prompt_text(body, "chat")
+            if got is None:
+                return []
+            prompt = Rendered(got[0], got[1], len(got[0]))
+        return learn_entries(tok, memo, chain, body, prompt.text, prompt.add_special, keys, rt.config.block_size)
+
+    @staticmethod
+    def _remember_history(rt: ModelRuntime, learned: list[tuple[int, Entry]]) -> None:
+        if rt.history is not None:
+            for key, entry in learned:
+                rt.history.put(key, entry)
 
     async def _tokens_and_keys(
         self,
@@ -755,6 +871,22 @@ def _length_error(rt: ModelRuntime, body: dict[str, Any], lengths: list[int]) ->
 BACKGROUND_NICE = 10
 
 
+def _render(tok: PromptTokenizer, body: dict[str, Any], kind: str) -> tuple[str, bool] | None:
+    """The prompt text of a single-text request (None: not one, or not for this router)."""
+    try:
+        return tok.prompt_text(body, kind)
+    except UnsupportedPrompt:
+        return None
+    except TokenizeError as e:
+        raise BadRequest(str(e)) from e
+
+
+async def _woken(wake: asyncio.Event) -> None:
+    """Wait for ``wake``, at most :data:`SETTLE_DELAY_S`."""
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(wake.wait(), SETTLE_DELAY_S)
+
+
 def _lower_priority() -> None:
     """Lower the calling thread's scheduling priority (Linux: threads have their own nice)."""
     with contextlib.suppress(OSError, AttributeError):
@@ -885,7 +1017,7 @@ def create_app(config: Config, index: Index | None = None) -> Endpoints:
         if prepared.deferred is not None:
             on_done: Any = router.settle_later(prepared, ticket).wake.set
         else:
-            on_done = None
+            on_done = router.learn_later(prepared)
         return ProxyResponse(
             pool=router.pool,
             loads=router.loads,

@@ -130,6 +130,11 @@ class RouterSettings(_Strict):
     defer_cold_prompts: bool = True
     """Send a prompt whose first block nobody holds before tokenizing all of it; the
     full tokenization finishes in the background (router/cold.py)."""
+    history_memo: bool = True
+    """Route a chat request whose messages start with messages already tokenized on the
+    block keys remembered for them, before rendering it (router/history.py). Needs
+    ``defer_cold_prompts``; off for a model with a configured ``max_model_len`` (a
+    configured limit needs the prompt's length before the request is sent)."""
     subscribe_events: bool | None = None
     """Follow the backends' KV-event streams in this process. Default: yes with the
     in-memory index, no with Redis (the standalone ``kvrouter indexer`` fills it)."""

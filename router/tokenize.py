@@ -50,6 +50,7 @@ from router.chat_render import (
     template_mentions_role,
     template_variables,
 )
+from router.fast_sandbox import speed_up
 
 log = logging.getLogger(__name__)
 
@@ -371,6 +372,35 @@ class PromptTokenizer:
             head += self._special_suffix  # type: ignore[arg-type]
         return Scan(0, head, len(text), complete=True)
 
+    def shared_tokens(self, text: str, other: str, add_special: bool) -> tuple[int, int]:
+        """How many leading ids of ``text`` are certainly the leading ids of ``other`` too,
+        and the characters of ``text`` they cover: those up to the last added token both
+        texts have at the same place (the text between added tokens tokenizes
+        independently). Reads segments of ``text`` from the cache without refreshing them,
+        so call it right after ``text`` was tokenized; (0, 0) when that cannot be known
+        (segment path off, a segment no longer cached)."""
+        if self.segment_disabled_reason is not None or self._split_re is None or (add_special and self._special_prefix is None):
+            return 0, 0
+        n = best = len(self._special_prefix) if add_special else 0  # type: ignore[arg-type]
+        pos = 0
+        peek = self._cache.peek
+        # Which added token matches at a position depends on the next ``longest`` chars
+        # (longer alternatives first), so only matches starting that far before the first
+        # difference are certainly the same in both texts.
+        limit = _common_prefix(text, other) - max(map(len, self._added))
+        for m in self._split_re.finditer(text):
+            if m.start() > limit:
+                break
+            if m.start() > pos:
+                ids = peek(_segment_key(text[pos : m.start()]))
+                if ids is None:
+                    break
+                n += len(ids)
+            n += 1
+            pos = m.end()
+            best = n
+        return (best, pos) if best else (0, 0)
+
     def text_ids(self, text: str, add_special: bool, *, check: bool = True) -> list[int]:
         """The ids of a prompt :meth:`prompt_text` returned (an empty prompt is an error)."""
         return self._truncate(self.encode(text, add_special, check=check), None, add_special)
@@ -415,6 +445,7 @@ class PromptTokenizer:
             if not isinstance(raw, str):
                 raise TokenizeError(f"tokenizer {self.name!r} has no chat template")
             info = (raw, detect_content_format(raw), template_variables(raw), template_mentions_role(raw, "developer"))
+            speed_up(raw)
             self._template_info[key] = info
         return info
 
@@ -535,6 +566,18 @@ class PromptTokenizer:
 
 def _segment_key(segment: str) -> int:
     return xxhash.xxh3_128_intdigest(segment.encode("utf-8", "surrogatepass"))
+
+
+def _common_prefix(a: str, b: str) -> int:
+    """Length of the longest common prefix (binary search: each probe is a C-speed compare)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def _position_dependence(spec: dict[str, Any]) -> str | None:

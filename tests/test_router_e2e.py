@@ -425,7 +425,8 @@ def _cold(outcome: str) -> float:
 
 
 def test_cold_prompt_is_sent_before_its_full_tokenization_then_settled(fleet: dict[str, Any]) -> None:
-    with InProcessRouter(fleet_config(fleet, policy="kv_aware")) as r:
+    # History memo off: it would route the re-sent prompt on remembered keys (tested below).
+    with InProcessRouter(fleet_config(fleet, policy="kv_aware", history_memo=False)) as r:
         body = {"model": MODEL, "messages": [{"role": "user", "content": unique_text(600)}], "max_tokens": 3000, "min_tokens": 3000, "stream": True}
         checks = REGISTRY.get_sample_value("kvrouter_cold_head_checks_total", {"model": MODEL}) or 0.0
         backend, _ = _deferred_then_settled(r.url, body, "deferred")
@@ -474,8 +475,9 @@ def _num_blocks(url: str, body: dict[str, Any]) -> int:
 def test_new_turn_of_a_seen_history_is_routed_on_the_history_then_settled(fleet: dict[str, Any]) -> None:
     """A chat whose history the router tokenized before, plus a new turn: it is routed on
     the history's exact blocks (a cache hit on the history's backend) before the new turn
-    is tokenized, and the ticket then settles to the whole prompt's blocks."""
-    with InProcessRouter(fleet_config(fleet, policy="kv_aware")) as r:
+    is tokenized, and the ticket then settles to the whole prompt's blocks. (With the
+    history memo off: it would route this request before rendering anything, below.)"""
+    with InProcessRouter(fleet_config(fleet, policy="kv_aware", history_memo=False)) as r:
         history = [{"role": "system", "content": unique_text(300)}, {"role": "user", "content": unique_text(400)}]
         first = httpx.post(r.url + "/v1/chat/completions", json={"model": MODEL, "messages": history, "max_tokens": 2}, timeout=60)
         assert first.status_code == 200
@@ -484,6 +486,42 @@ def test_new_turn_of_a_seen_history_is_routed_on_the_history_then_settled(fleet:
         history += [{"role": "assistant", "content": "a short answer"}, {"role": "user", "content": "and " + unique_text(30)}]
         body = {"model": MODEL, "messages": history, "max_tokens": 3000, "min_tokens": 3000, "stream": True}
         assert _deferred_then_settled(r.url, body, "tail") in ((backend, "cache_hit"), (backend, "speculative_hit"))
+        wait_idle(r.url)
+
+
+def test_next_turns_of_a_conversation_are_routed_on_remembered_keys_then_checked(fleet: dict[str, Any]) -> None:
+    """Each turn of a conversation teaches the router its messages' keys (in the
+    background); the next turn is routed on them before its template is rendered, to the
+    backend holding the history, and its real keys are then checked against them."""
+
+    def sample(name: str) -> float:
+        return REGISTRY.get_sample_value(name, {"model": MODEL}) or 0.0
+
+    with InProcessRouter(fleet_config(fleet, policy="kv_aware")) as r:
+        messages = [{"role": "system", "content": unique_text(300)}, {"role": "user", "content": unique_text(400)}]
+        first = httpx.post(r.url + "/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 2}, timeout=60)
+        assert first.status_code == 200
+        backend = first.headers["x-kvrouter-backend"]
+        memo = r.server.config.app.state.router.models[MODEL].history
+        deadline = time.monotonic() + 10
+        while len(memo) < 2 and time.monotonic() < deadline:  # learned once the answer is back
+            time.sleep(0.02)
+        assert len(memo) == 2
+        wait_idle(r.url)
+        checks, mismatches = sample("kvrouter_history_checks_total"), sample("kvrouter_history_mismatches_total")
+        for turn in range(2):
+            messages += [{"role": "assistant", "content": "an answer " + unique_text(20)}, {"role": "user", "content": "and " + unique_text(30)}]
+            body = {"model": MODEL, "messages": messages, "max_tokens": 3000, "min_tokens": 3000, "stream": True}
+            assert _deferred_then_settled(r.url, body, "history") in ((backend, "cache_hit"), (backend, "speculative_hit"))
+            assert sample("kvrouter_history_checks_total") == checks + turn + 1
+            wait_idle(r.url)
+        assert sample("kvrouter_history_mismatches_total") == mismatches
+        # The same history with another last question finds the entry for all but the last message.
+        other = {"model": MODEL, "messages": [*messages[:-1], {"role": "user", "content": "something else " + unique_text(20)}], "max_tokens": 2}
+        before = _cold("history")
+        again = httpx.post(r.url + "/v1/chat/completions", json=other, timeout=60)
+        assert again.status_code == 200 and again.headers["x-kvrouter-backend"] == backend
+        assert _cold("history") == before + 1
         wait_idle(r.url)
 
 

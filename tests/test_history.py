@@ -1,0 +1,279 @@
+"""The history memo (router/history.py) and the memoizing sandbox (router/fast_sandbox.py).
+
+Real Qwen3 tokenizer and chat template, real conversations (ShareGPT): what the memo
+learns from one turn must be a prefix of the next turn's real block keys, and renders
+through the memoizing sandbox must equal the stock sandbox's, refusals included.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+import jinja2
+import pytest
+from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
+
+from indexer.hashing import BlockHasher
+from router.fast_sandbox import MemoSandbox, speed_up
+from router.hash_cache import HashCache
+from router.history import MAX_MISMATCHES, Chain, Entry, HistoryMemo, chain_of, learn_entries
+from router.tokenize import PromptTokenizer
+from support import GOLDEN, QWEN3_DIR, REPO
+
+BLOCK = 16
+MODEL = "qwen3-0.6b"
+SHAREGPT = REPO / "loadtest" / "data" / "traces" / "sharegpt_multiturn_150.json"
+
+
+@pytest.fixture(scope="module")
+def tok() -> PromptTokenizer:
+    return PromptTokenizer.load(str(QWEN3_DIR), verify_rate=0.0)
+
+
+@pytest.fixture(scope="module")
+def hashes() -> HashCache:
+    return HashCache(BlockHasher("sha256", BLOCK, "0", "0.33.0"))
+
+
+def conversations(limit: int) -> list[list[dict[str, str]]]:
+    convs = []
+    for conv in json.loads(SHAREGPT.read_text())[:limit]:
+        roles = {"human": "user", "gpt": "assistant"}
+        msgs = [{"role": roles.get(t["from"], "user"), "content": t["value"]} for t in conv["conversations"]]
+        convs.append([{"role": "system", "content": "You are a helpful assistant."}, *msgs])
+    return convs
+
+
+def keys_of(tok: PromptTokenizer, hashes: HashCache, body: dict[str, Any]) -> tuple[str, list[int]]:
+    text = tok.render_chat(body)
+    return text, hashes.hash_int64(tok.encode(text))
+
+
+# -- chain_of ---------------------------------------------------------------------------
+
+
+def test_chain_keys_each_message_boundary_and_only_prompt_fields() -> None:
+    msgs = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]
+    chain = chain_of({"model": MODEL, "messages": msgs, "max_tokens": 5, "temperature": 0.3, "stream": True})
+    assert chain is not None and len(chain.hashes) == 3 and len(set(chain.hashes)) == 3
+    assert chain.sizes == sorted(chain.sizes) and chain.sizes[0] > 0
+    # Sampling fields do not change the keys; a longer conversation extends the same chain.
+    longer = chain_of({"model": MODEL, "messages": [*msgs, {"role": "assistant", "content": "d"}], "max_tokens": 9})
+    assert longer is not None and longer.hashes[:3] == chain.hashes
+    # Fields that shape the prompt do, and so does the model (a LoRA adapter hashes differently).
+    for change in ({"chat_template_kwargs": {"enable_thinking": False}}, {"cache_salt": "s"}, {"tools": [{"type": "function"}]},
+                   {"model": "adapter"}, {"add_generation_prompt": False}):
+        other = chain_of({"model": MODEL, "messages": msgs, **change})
+        assert other is not None and not set(other.hashes) & set(chain.hashes), change
+    assert chain_of({"model": MODEL, "messages": msgs[:1]}).hashes[0] == chain.hashes[0]  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("body", [
+    {"model": MODEL},
+    {"model": MODEL, "messages": []},
+    {"model": MODEL, "messages": "hi"},
+    {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "truncate_prompt_tokens": 5},
+])
+def test_chain_is_none_for_bodies_the_memo_cannot_key(body: dict[str, Any]) -> None:
+    assert chain_of(body) is None
+
+
+# -- HistoryMemo --------------------------------------------------------------------------
+
+
+def test_memo_finds_the_longest_prefix_and_stays_bounded() -> None:
+    memo = HistoryMemo(MODEL, max_keys=10)
+    chain = Chain([11, 22, 33, 44], [10, 20, 30, 40])
+    assert memo.find(chain) is None
+    memo.put(11, Entry([1, 2], 40, 10))
+    memo.put(33, Entry([1, 2, 3, 4], 70, 30))
+    hit = memo.find(chain)
+    assert hit is not None and (hit.key, hit.messages, hit.entry.keys) == (33, 3, [1, 2, 3, 4])
+    # The estimate scales the messages past the entry by its tokens per byte.
+    assert hit.estimate(chain) == 70 + round(10 * 70 / 30)
+    memo.put(55, Entry(list(range(6)), 100, 50))  # 12 keys held: the oldest entry goes
+    assert 11 not in memo and 33 in memo and 55 in memo
+    memo.put(66, Entry([], 3, 5))  # nothing to route on: not stored
+    assert 66 not in memo
+
+
+def test_a_mismatch_drops_the_entry_and_persistent_ones_turn_the_memo_off() -> None:
+    memo = HistoryMemo(MODEL)
+    mismatches = 0
+    for i in range(200):
+        memo.put(i, Entry([i, i + 1], 40, 10))
+        hit = memo.find(Chain([i], [10]))
+        assert hit is not None
+        wrong = i % 50 == 0  # a rare stale entry: 4 in 200 checks (2%)
+        assert memo.check(hit, [i + 7, 0, 0] if wrong else [i, i + 1, 9]) is not wrong
+        mismatches += wrong
+        assert (i in memo) is not wrong
+    assert memo.enabled and memo.mismatches == mismatches == 4
+    failing = 0
+    while memo.enabled:  # now every check fails: off once mismatches pass 5% of the checks
+        memo.put(1000, Entry([1], 40, 10))
+        hit = memo.find(Chain([1000], [10]))
+        assert hit is not None and not memo.check(hit, [2])
+        failing += 1
+    assert failing == 7 and memo.mismatches * 20 > memo.checks  # 11 of 207
+    assert len(memo) == 0 and memo.find(Chain([1000], [10])) is None
+    memo.put(1000, Entry([1], 40, 10))
+    assert len(memo) == 0
+    # Few checks: a mismatch or two is not enough.
+    young = HistoryMemo(MODEL)
+    for _ in range(MAX_MISMATCHES - 1):
+        young.put(1, Entry([1], 40, 10))
+        young.check(young.find(Chain([1], [10])), [2])  # type: ignore[arg-type]
+    assert young.enabled
+
+
+# -- learn_entries: real template, real conversations -------------------------------------
+
+
+def test_what_a_turn_teaches_is_a_prefix_of_the_next_turns_real_keys(tok: PromptTokenizer, hashes: HashCache) -> None:
+    """For every turn of 40 conversations: the entry learned from the request is a prefix of
+    the keys of the next request (its messages plus the answer and a new question), and
+    the entry for all but its last message is a prefix of that history with another last
+    message; both cover all of the shared prompt but for less than two blocks."""
+    memo = HistoryMemo(MODEL)
+    checked = 0
+    for conv in conversations(40):
+        for n in range(2, len(conv) - 1):
+            if [m["role"] for m in conv[n - 1 : n + 2]] != ["user", "assistant", "user"]:
+                continue  # a chat request ends with a question; its next turn adds an answer and one
+            body = {"model": MODEL, "messages": conv[:n]}
+            text, keys = keys_of(tok, hashes, body)
+            chain = chain_of(body)
+            assert chain is not None
+            learned = dict(learn_entries(tok, memo, chain, body, text, False, keys, BLOCK))
+            nxt = {"model": MODEL, "messages": conv[: n + 2]}
+            _, next_keys = keys_of(tok, hashes, nxt)
+            entry = learned.get(chain.hashes[-1])
+            if entry is not None:
+                assert next_keys[: len(entry.keys)] == entry.keys
+                assert len(entry.keys) >= min(len(keys), len(next_keys)) - 2
+                checked += 1
+            other = {"model": MODEL, "messages": [*conv[: n - 1], {"role": "user", "content": "something else entirely"}]}
+            _, other_keys = keys_of(tok, hashes, other)
+            entry = learned.get(chain.hashes[-2])
+            if entry is not None:
+                assert other_keys[: len(entry.keys)] == entry.keys
+            for k, e in learned.items():
+                memo.put(k, e)
+    assert checked >= 60
+
+
+def test_a_template_that_rewrites_earlier_text_teaches_only_what_stays(tok: PromptTokenizer, hashes: HashCache) -> None:
+    """A template that renders the message count first shares nothing with the next turn
+    (no entry), and one that moves the system prompt to the last user turn shares only
+    what precedes it: each entry is still a prefix of the real next keys."""
+    counting = copy.copy(tok)
+    counting._hf = copy.copy(tok._hf)
+    counting._template_info = {}
+    counting._hf.chat_template = "{{ messages|length }} messages<|im_end|>\n" + tok._hf.chat_template
+    moving = copy.copy(counting)
+    moving._hf = copy.copy(tok._hf)
+    moving._template_info = {}
+    moving._hf.chat_template = (
+        "{% for m in messages %}{% if m.role != 'system' %}<|im_start|>{{ m.role }}\n"
+        "{% if loop.last %}{{ messages[0].content }} {% endif %}{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+        "<|im_start|>assistant\n"
+    )
+    conv = conversations(3)[2]
+    body = {"model": MODEL, "messages": conv[:4]}
+    chain = chain_of(body)
+    assert chain is not None
+    for t, expect_entry in ((counting, False), (moving, True)):
+        text, keys = keys_of(t, hashes, body)
+        learned = dict(learn_entries(t, HistoryMemo(MODEL), chain, body, text, False, keys, BLOCK))
+        entry = learned.get(chain.hashes[-1])
+        assert (entry is not None) is expect_entry
+        if entry is not None:
+            _, next_keys = keys_of(t, hashes, {"model": MODEL, "messages": conv[:6]})
+            assert next_keys[: len(entry.keys)] == entry.keys
+            assert len(entry.keys) < len(keys) - 2  # the moved system prompt is not shared
+
+
+def test_shared_tokens_counts_up_to_the_last_added_token_certainly_shared(tok: PromptTokenizer) -> None:
+    a = "hello <|im_start|>user\n" + "x" * 40 + "<|im_end|>\n<|im_start|>assistant\n" + "more words " * 5
+    full = tok.encode(a)
+    start, end = tok._added["<|im_start|>"], tok._added["<|im_end|>"]
+    last = len(full) - 1 - full[::-1].index(start)
+    longest = max(map(len, tok._added))
+    at = a.rindex("<|im_start|>")
+    after = at + len("<|im_start|>")
+    # Differing far enough after the last <|im_start|>: everything through it is shared.
+    assert tok.shared_tokens(a, a[: at + longest] + "different", False) == (last + 1, after)
+    assert tok.shared_tokens(a, a[: at + longest - 1] + "different", False) == (full.index(end) + 1, a.index("<|im_end|>") + 10)
+    # Differing right after it: which added token starts there depends on text past the
+    # difference (a longer one could match), so neither it nor <|im_end|> just before counts.
+    assert tok.shared_tokens(a, a[: at + 3] + "different", False) == (full.index(start) + 1, a.index("user"))
+    assert tok.shared_tokens(a, a, False) == (last + 1, after)  # the text after the last added token never counts
+    assert tok.shared_tokens("plain text", "plain other", False) == (0, 0)
+    # The counted ids are exactly the ids of the counted characters.
+    n, chars = tok.shared_tokens(a, a[: at + longest] + "different", False)
+    assert tok.encode_full(a[:chars]) == full[:n]
+
+
+# -- the memoizing sandbox -----------------------------------------------------------------
+
+
+def test_memo_sandbox_renders_exactly_like_the_stock_sandbox(tok: PromptTokenizer) -> None:
+    template = tok._hf.chat_template
+    stock = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    fast = MemoSandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    for env in (stock, fast):
+        env.filters["tojson"] = lambda x, **kw: json.dumps(x, ensure_ascii=False)
+    cases = [c["request"] for c in map(json.loads, (GOLDEN / "render_vectors_vllm-0.33.0_qwen3-0.6b-tok.jsonl").read_text().splitlines())
+             if isinstance(c.get("request"), dict) and isinstance(c["request"].get("messages"), list)]
+    cases += [{"messages": conv} for conv in conversations(30)]
+    rendered = 0
+    for body in cases:
+        kwargs = {"messages": body["messages"], "tools": body.get("tools"), "add_generation_prompt": True}
+        out = []
+        for env in (stock, fast):
+            try:
+                out.append(env.from_string(template).render(**kwargs))
+            except Exception as e:  # noqa: BLE001 - the same refusal is what must match
+                out.append(repr(e))
+        assert out[0] == out[1]
+        rendered += 1
+    assert rendered >= 80
+
+
+@pytest.mark.parametrize("source", [
+    "{{ messages.append(1) }}",
+    "{{ ''.__class__ }}",
+    "{{ m.pop('role') }}",
+    "{{ m.update({'a': 1}) }}",
+    "{{ 'x'.format.__globals__ }}",
+    "{{ '{0.__class__}'.format(m) }}",
+    "{{ m.items()|list|length }}{{ m.role }}{{ m.nosuch is defined }}",
+    "{% for x in range(3) %}{{ loop.index0 }}{{ x.real }}{% endfor %}{{ m['__class__'] }}",
+    "{{ m|attr('__class__') }}{{ m|attr('items') is defined }}",
+])
+def test_memo_sandbox_refuses_what_the_stock_sandbox_refuses(source: str) -> None:
+    """Unsafe access renders as the same error (or the same undefined), on the first use
+    and after the verdicts are remembered."""
+    results = []
+    for env in (ImmutableSandboxedEnvironment(), MemoSandbox(), MemoSandbox()):
+        t = env.from_string(source)
+        got = []
+        for _ in range(2 if isinstance(env, MemoSandbox) else 1):
+            try:
+                got.append(t.render(messages=[], m={"role": "user"}))
+            except (SecurityError, jinja2.TemplateError, TypeError) as e:
+                got.append(f"{type(e).__name__}: {e}")
+        results.append(got)
+    assert all(r == [results[0][0]] * len(r) for r in results[1:]), results
+
+
+def test_speed_up_swaps_the_environment_transformers_compiled(tok: PromptTokenizer) -> None:
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    template = tok._hf.chat_template
+    assert speed_up(template)
+    assert type(_compile_jinja_template(template).environment) is MemoSandbox
+    assert not speed_up("{% if %}")  # a template that does not compile is left to fail where vLLM does
