@@ -79,7 +79,8 @@ TOKENIZER_FALLBACKS = Counter(
 
 COLD_PATH = Counter(
     "kvrouter_cold_path",
-    "Long single-text prompts by what was tokenized before routing: deferred (a cold prompt sent on "
+    "Long single-text prompts by what was tokenized before routing: history (a chat whose messages "
+    "start with a remembered history, sent on its keys before rendering), deferred (a cold prompt sent on "
     "its first block), tail (a seen history sent on its cached ids, the new turn tokenized after), "
     "seen (the segment cache holds all of it, or too little for a block: full path, inline), known "
     "(block 0 held, recently routed or being tokenized: full path), busy (the background thread is "
