@@ -141,8 +141,10 @@ def chain_of(body: dict[str, Any]) -> Chain | None:
 
 
 class HistoryMemo:
-    """One model's memo: bounded by the keys it holds, oldest entries dropped first.
-    Used on the event loop only."""
+    """One model's memo: bounded by the keys it holds, least recently used entries
+    dropped first (one-shot prompts teach entries nobody asks for again; a conversation's
+    next turn refreshes its own). Used on the event loop only (the background thread
+    only asks whether it holds a key)."""
 
     def __init__(self, model: str, max_keys: int = 1 << 18) -> None:
         self.model = model
@@ -165,9 +167,11 @@ class HistoryMemo:
             return None
         entries = self._entries
         for j in range(len(chain.hashes), 0, -1):
-            entry = entries.get(chain.hashes[j - 1])
+            key = chain.hashes[j - 1]
+            entry = entries.pop(key, None)
             if entry is not None:
-                return Hit(chain.hashes[j - 1], entry, j)
+                entries[key] = entry  # most recently used: evicted last
+                return Hit(key, entry, j)
         return None
 
     def put(self, key: int, entry: Entry) -> None:

@@ -93,8 +93,13 @@ def test_memo_finds_the_longest_prefix_and_stays_bounded() -> None:
     assert hit is not None and (hit.key, hit.messages, hit.entry.keys) == (33, 3, [1, 2, 3, 4])
     # The estimate scales the messages past the entry by its tokens per byte.
     assert hit.estimate(chain) == 70 + round(10 * 70 / 30)
-    memo.put(55, Entry(list(range(6)), 100, 50))  # 12 keys held: the oldest entry goes
+    memo.put(55, Entry(list(range(6)), 100, 50))  # 12 keys held: the least recently used goes
     assert 11 not in memo and 33 in memo and 55 in memo
+    memo.put(11, Entry([1, 2], 40, 10))  # 12 keys again: 33 is now the least recently used
+    assert 33 not in memo and 55 in memo and 11 in memo
+    assert memo.find(Chain([55], [50])) is not None  # a hit refreshes 55: 11 is now the oldest
+    memo.put(77, Entry([5, 6, 7], 40, 10))
+    assert 11 not in memo and 55 in memo and 77 in memo
     memo.put(66, Entry([], 3, 5))  # nothing to route on: not stored
     assert 66 not in memo
 
