@@ -489,20 +489,31 @@ def test_new_turn_of_a_seen_history_is_routed_on_the_history_then_settled(fleet:
         wait_idle(r.url)
 
 
-def test_next_turns_of_a_conversation_are_routed_on_remembered_keys_then_checked(fleet: dict[str, Any]) -> None:
+@pytest.mark.parametrize("limit", [True, False], ids=["configured-limit", "engine-limit"])
+def test_next_turns_of_a_conversation_are_routed_on_remembered_keys_then_checked(fleet: dict[str, Any], limit: bool) -> None:
     """Each turn of a conversation teaches the router its messages' keys (in the
-    background); the next turn is routed on them before its template is rendered, to the
-    backend holding the history, and its real keys are then checked against them."""
+    background); the next turn is routed on them to the backend holding the history, and
+    its real keys are then checked against them. Without a configured max_model_len
+    (the engines enforce theirs) nothing is rendered before routing; with one, the
+    template is rendered to bound the length, and a turn over the limit gets its 400."""
+
+    model = MODEL
 
     def sample(name: str) -> float:
-        return REGISTRY.get_sample_value(name, {"model": MODEL}) or 0.0
+        return REGISTRY.get_sample_value(name, {"model": model}) or 0.0
 
-    with InProcessRouter(fleet_config(fleet, policy="kv_aware")) as r:
+    def outcome(name: str) -> float:
+        return REGISTRY.get_sample_value("kvrouter_cold_path_total", {"model": model, "outcome": name}) or 0.0
+
+    config = fleet_config(fleet, policy="kv_aware")
+    if not limit:
+        del config["models"][0]["max_model_len"]
+    with InProcessRouter(config) as r:
         messages = [{"role": "system", "content": unique_text(300)}, {"role": "user", "content": unique_text(400)}]
-        first = httpx.post(r.url + "/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 2}, timeout=60)
+        first = httpx.post(r.url + "/v1/chat/completions", json={"model": model, "messages": messages, "max_tokens": 2}, timeout=60)
         assert first.status_code == 200
         backend = first.headers["x-kvrouter-backend"]
-        memo = r.server.config.app.state.router.models[MODEL].history
+        memo = r.server.config.app.state.router.models[model].history
         deadline = time.monotonic() + 10
         while len(memo) < 2 and time.monotonic() < deadline:  # learned once the answer is back
             time.sleep(0.02)
@@ -511,17 +522,27 @@ def test_next_turns_of_a_conversation_are_routed_on_remembered_keys_then_checked
         checks, mismatches = sample("kvrouter_history_checks_total"), sample("kvrouter_history_mismatches_total")
         for turn in range(2):
             messages += [{"role": "assistant", "content": "an answer " + unique_text(20)}, {"role": "user", "content": "and " + unique_text(30)}]
-            body = {"model": MODEL, "messages": messages, "max_tokens": 3000, "min_tokens": 3000, "stream": True}
+            body = {"model": model, "messages": messages, "max_tokens": 3000, "min_tokens": 3000, "stream": True}
             assert _deferred_then_settled(r.url, body, "history") in ((backend, "cache_hit"), (backend, "speculative_hit"))
+            deadline = time.monotonic() + 10
+            while sample("kvrouter_history_checks_total") < checks + turn + 1 and time.monotonic() < deadline:
+                time.sleep(0.02)
             assert sample("kvrouter_history_checks_total") == checks + turn + 1
             wait_idle(r.url)
         assert sample("kvrouter_history_mismatches_total") == mismatches
         # The same history with another last question finds the entry for all but the last message.
-        other = {"model": MODEL, "messages": [*messages[:-1], {"role": "user", "content": "something else " + unique_text(20)}], "max_tokens": 2}
-        before = _cold("history")
+        other = {"model": model, "messages": [*messages[:-1], {"role": "user", "content": "something else " + unique_text(20)}], "max_tokens": 2}
+        before = outcome("history")
         again = httpx.post(r.url + "/v1/chat/completions", json=other, timeout=60)
         assert again.status_code == 200 and again.headers["x-kvrouter-backend"] == backend
-        assert _cold("history") == before + 1
+        assert outcome("history") == before + 1
+        if limit:
+            huge = {"model": model, "messages": [*messages, {"role": "assistant", "content": "ok"},
+                                                  {"role": "user", "content": unique_text(MAX_MODEL_LEN)}], "max_tokens": 2}
+            before = outcome("ineligible")
+            over = httpx.post(r.url + "/v1/chat/completions", json=huge, timeout=60)
+            assert over.status_code == 400 and error_of(over)["code"] == "context_length_exceeded"
+            assert outcome("ineligible") == before + 1
         wait_idle(r.url)
 
 
