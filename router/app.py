@@ -578,6 +578,10 @@ class Router:
                 rt.memory.remember(keys, prepared.backend)
             if rt.guard.should_check():
                 self._spawn(self._parity_check(rt, d.body, d.kind, ids))
+        except (TokenizeError, BadRequest) as e:  # routed unrendered, and the router cannot tokenize it: the engine judges it
+            log.debug("a deferred %s request cannot be tokenized here: %s", rt.config.name, e)
+            metrics.child(metrics.COLD_PATH, rt.config.name, "settle_error").inc()
+            ticket.settle([], 0)  # what the full path would have charged it
         except Exception as e:  # noqa: BLE001 - the request is already on its way; keep its estimate
             log.warning("background tokenization of a deferred %s request failed: %r", rt.config.name, e)
             metrics.child(metrics.COLD_PATH, rt.config.name, "settle_error").inc()
@@ -594,7 +598,12 @@ class Router:
             got = rt.tokenizer.prompt_text(d.body, d.kind)
             prompt = Rendered(got[0], got[1], len(got[0])) if got is not None else None
         ids, _, keys = self._local(rt, d.body, d.kind, d.lora, d.salt, prompt)
-        return ids, keys, self._history_job(rt, chain, d.body, prompt, keys)
+        try:
+            learned = self._history_job(rt, chain, d.body, prompt, keys)
+        except Exception as e:  # noqa: BLE001 - learning is optional; the settle is not
+            log.warning("learning a %s chat history failed: %r", rt.config.name, e)
+            learned = []
+        return ids, keys, learned
 
     def learn_later(self, prepared: Prepared) -> Any:
         """For a chat request tokenized before it was sent: remember its messages' keys

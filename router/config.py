@@ -133,8 +133,9 @@ class RouterSettings(_Strict):
     history_memo: bool = True
     """Route a chat request whose messages start with messages already tokenized on the
     block keys remembered for them, before rendering it (router/history.py). Needs
-    ``defer_cold_prompts``; off for a model with a configured ``max_model_len`` (a
-    configured limit needs the prompt's length before the request is sent)."""
+    ``defer_cold_prompts``. Under a configured ``max_model_len`` the template is still
+    rendered (the limit needs a length bound before the request is sent), but not
+    scanned or hashed."""
     subscribe_events: bool | None = None
     """Follow the backends' KV-event streams in this process. Default: yes with the
     in-memory index, no with Redis (the standalone ``kvrouter indexer`` fills it)."""

@@ -10,10 +10,10 @@ The verdicts depend on less than they look at:
 
 - ``is_safe_attribute(obj, attr, value)`` looks at ``attr`` and at ``obj``'s type only
   (underscore names, internal attributes of functions/frames/generators, mutating
-  methods of lists, dicts, sets, deques), so it is remembered per ``(type, attr)``;
-- ``str.format`` / ``format_map`` values are still wrapped by the sandbox: those accesses
-  take the stock path every time;
-- a ``dict`` has no instance attributes, so a name its type lacks always falls through
+  methods of lists, dicts, sets, deques: ``isinstance`` checks), so it is remembered per
+  ``(type, attr)``; everything else in :meth:`MemoSandbox.getattr` is the stock code,
+  ``str.format`` wrapping included, and the attribute is read once, as there;
+- a ``dict`` has no instance attributes, so a name a dict lacks always falls through
   to the item lookup the sandbox would do next;
 - builtin functions and methods cannot carry the ``unsafe_callable`` / ``alters_data``
   marks ``is_safe_callable`` looks for, so calling one skips that check.
@@ -37,47 +37,46 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 log = logging.getLogger(__name__)
 
-_ABSENT = object()
+_DICT_ATTRS = frozenset(dir({}))
+"""Every attribute a plain dict has: any other name raises AttributeError on it."""
 _BUILTIN_CALLABLES = frozenset({
     types.BuiltinFunctionType, types.MethodWrapperType, types.WrapperDescriptorType, types.MethodDescriptorType,
 })
-_FORMAT_METHODS = (types.BuiltinMethodType, types.MethodType)
 MAX_VERDICTS = 4096
 """Remembered ``(type, attr)`` pairs: templates name a few dozen; ``|attr`` with names from
-request data could name more, and those past the bound just take the stock path."""
+request data could name more, and those past the bound are just checked every time."""
 
 
 class MemoSandbox(ImmutableSandboxedEnvironment):
     """``ImmutableSandboxedEnvironment`` that remembers its attribute verdicts (see the module docstring)."""
 
     def getattr(self, obj: Any, attribute: str) -> Any:
-        verdicts: dict[tuple[type, str], Any] = self.__dict__.setdefault("_kvrouter_verdicts", {})
-        kind = type(obj)
-        verdict = verdicts.get((kind, attribute))
-        if verdict is True:
-            try:
-                value = getattr(obj, attribute)
-            except AttributeError:
-                pass  # this instance lacks it: the stock path looks up the item
-            else:
-                if type(value) not in _FORMAT_METHODS or value.__name__ not in ("format", "format_map"):
-                    return value
-        elif verdict is _ABSENT:
+        """The stock ``SandboxedEnvironment.getattr``, step for step, but for the
+        remembered verdict and the dict shortcut (the same item lookup, without first
+        raising AttributeError)."""
+        if type(obj) is dict and type(attribute) is str and attribute not in _DICT_ATTRS:
             try:
                 return obj[attribute]
             except (TypeError, LookupError):
                 return self.undefined(obj=obj, name=attribute)
-        elif verdict is None and type(attribute) is str and len(verdicts) < MAX_VERDICTS:
-            if kind is dict and not hasattr(dict, attribute):
-                verdicts[(kind, attribute)] = _ABSENT
-            else:
-                try:
-                    value = getattr(obj, attribute)
-                except AttributeError:
-                    pass
-                else:
-                    verdicts[(kind, attribute)] = self.is_safe_attribute(obj, attribute, value)
-        return super().getattr(obj, attribute)
+        try:
+            value = getattr(obj, attribute)
+        except AttributeError:
+            try:
+                return obj[attribute]
+            except (TypeError, LookupError):
+                return self.undefined(obj=obj, name=attribute)
+        fmt = self.wrap_str_format(value)
+        if fmt is not None:
+            return fmt
+        verdicts: dict[tuple[type, str], bool] = self.__dict__.setdefault("_kvrouter_verdicts", {})
+        key = (type(obj), attribute)
+        safe = verdicts.get(key)
+        if safe is None:
+            safe = self.is_safe_attribute(obj, attribute, value)
+            if len(verdicts) < MAX_VERDICTS:
+                verdicts[key] = safe
+        return value if safe else self.unsafe_undefined(obj, attribute)
 
     def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805 - jinja's signature
         if type(__obj) in _BUILTIN_CALLABLES:

@@ -34,6 +34,7 @@ answer: the engine tokenizes the request itself.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -74,6 +75,16 @@ that differs in one of them never finds another's entry."""
 MAX_MISMATCHES = 3
 """Mismatches tolerated before the memo turns off (and only while they are under 5% of
 the checks): one entry made stale by a date is dropped and counted, not fatal."""
+
+OFF_FOR_S = 600.0
+"""How long the memo stays off after too many mismatches; it then starts over (a template
+that is wrong for it turns it off again after a few requests)."""
+
+MAX_SHORTFALL = 0.1
+"""An entry is kept only if its share of the prompt's tokens is at most this far below its
+messages' share of the body's JSON (see :func:`learn_entries`)."""
+
+TEXT_PARTS = frozenset({"text", "refusal"})
 
 _encode = msgspec.json.Encoder().encode
 
@@ -126,6 +137,10 @@ def chain_of(body: dict[str, Any]) -> Chain | None:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages or body.get("truncate_prompt_tokens") is not None:
         return None
+    for m in messages:  # images, audio, files: the router does not tokenize those (full path)
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list) and any(not isinstance(p, dict) or p.get("type") not in TEXT_PARTS for p in content):
+            return None
     try:
         key = xxhash.xxh3_64_intdigest(_encode({k: v for k, v in body.items() if k not in UNRENDERED_FIELDS}))
         hashes, sizes, size = [], [], 0
@@ -146,17 +161,26 @@ class HistoryMemo:
     next turn refreshes its own). Used on the event loop only (the background thread
     only asks whether it holds a key)."""
 
-    def __init__(self, model: str, max_keys: int = 1 << 18) -> None:
+    def __init__(self, model: str, max_keys: int = 1 << 18, off_for_s: float = OFF_FOR_S) -> None:
         self.model = model
         self.max_keys = max_keys
-        self.enabled = True
+        self.off_for_s = off_for_s
         self.checks = 0
         self.mismatches = 0
+        self._off_until = 0.0
         self._entries: dict[int, Entry] = {}
         self._keys = 0
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    @property
+    def enabled(self) -> bool:
+        """False for :data:`OFF_FOR_S` after mismatches persisted; then it starts over."""
+        if self._off_until and time.monotonic() >= self._off_until:
+            self._off_until = 0.0
+            self.checks = self.mismatches = 0
+        return not self._off_until
 
     def __contains__(self, key: int) -> bool:
         return key in self._entries
@@ -199,11 +223,11 @@ class HistoryMemo:
         if entry is not None:
             self._keys -= len(entry.keys)
         if self.mismatches >= MAX_MISMATCHES and self.mismatches * 20 > self.checks:
-            self.enabled = False
+            self._off_until = time.monotonic() + self.off_for_s
             self._entries.clear()
             self._keys = 0
-            log.warning("model %s: history-memo keys differed from the real ones %d times in %d; memo off",
-                        self.model, self.mismatches, self.checks)
+            log.warning("model %s: history-memo keys differed from the real ones %d times in %d; memo off for %.0f s",
+                        self.model, self.mismatches, self.checks, self.off_for_s)
         return False
 
 
@@ -211,25 +235,52 @@ def learn_entries(
     tok: PromptTokenizer, memo: HistoryMemo, chain: Chain, body: dict[str, Any], text: str, add_special: bool,
     keys: list[int], block_size: int,
 ) -> list[tuple[int, Entry]]:
-    """Entries for a request's messages (next turn) and for all but its last message
+    """Entries for a request's messages (its next turn) and for all but its last message
     (the same history, another last message), each unless the memo has it. Blocking:
-    renders the template twice; runs in the background thread."""
+    renders the template two to four times; runs in the background thread.
+
+    Each entry is what the request's rendering shares with every sentinel continuation
+    of its kind: the likely next messages differ by template (Qwen3 strips earlier
+    reasoning after a new user message but not after a tool result, and joins
+    consecutive tool results in one turn). An entry that would cover much less of the
+    prompt than its messages are of the body is not kept: the template rewrites earlier
+    text for that continuation, and the segment cache (outcome ``tail``) finds more."""
     messages = body["messages"]
-    last = messages[-1]
-    variants = [
-        (len(messages), [*messages, {"role": "assistant", "content": SENTINEL}, {"role": "user", "content": SENTINEL}]),
-        (len(messages) - 1, [*messages[:-1], {"role": last.get("role") if isinstance(last, dict) else "user", "content": SENTINEL}]),
+    last = messages[-1] if isinstance(messages[-1], dict) else {}
+    role = last.get("role")
+    nxt = [[{"role": "assistant", "content": SENTINEL}, {"role": "user", "content": SENTINEL}]]
+    if role == "tool":
+        nxt.append([{"role": "tool", "content": SENTINEL, "tool_call_id": "kvrouter"}])
+    replaced = [{"role": r, "content": SENTINEL} for r in dict.fromkeys((role if isinstance(role, str) else "user", "user"))]
+    cases = [
+        (len(messages), [[*messages, *tail] for tail in nxt]),
+        (len(messages) - 1, [[*messages[:-1], m] for m in replaced]),
     ]
+    total = max(1, len(keys) * block_size)
     out = []
-    for j, variant in variants:
+    for j, variants in cases:
         if j == 0 or chain.hashes[j - 1] in memo:
             continue
-        try:
-            other = tok.render_chat({**body, "messages": variant})
-        except ValueError:  # the template refuses the sentinel (roles must alternate, ...)
+        shared, chars = _shared(tok, body, text, add_special, variants)
+        if shared < total * (chain.sizes[j - 1] / chain.sizes[-1] - MAX_SHORTFALL):
             continue
-        shared, chars = tok.shared_tokens(text, other, add_special)
         blocks = min(shared // block_size, len(keys))
         if blocks:
             out.append((chain.hashes[j - 1], Entry(keys[:blocks], shared, chain.sizes[j - 1], chars, digest(text, chars))))
     return out
+
+
+def _shared(
+    tok: PromptTokenizer, body: dict[str, Any], text: str, add_special: bool, variants: list[list[Any]]
+) -> tuple[int, int]:
+    """The shortest prefix ``text`` shares with the renderings of ``variants`` (a variant the
+    template refuses is a continuation it cannot get; (0, 0) when it refuses them all)."""
+    best: tuple[int, int] | None = None
+    for messages in variants:
+        try:
+            other = tok.render_chat({**body, "messages": messages})
+        except ValueError:  # the template refuses it (roles must alternate, no tool role, ...)
+            continue
+        got = tok.shared_tokens(text, other, add_special)
+        best = got if best is None or got[0] < best[0] else best
+    return best or (0, 0)
