@@ -7,7 +7,14 @@ from collections.abc import Iterator
 
 import pytest
 
-from support import Proc, free_port, wait_port
+from router.tokenize import PromptTokenizer
+from support import QWEN3_DIR, Proc, free_port, wait_port
+
+
+@pytest.fixture(scope="module")
+def qwen3() -> PromptTokenizer:
+    """The real Qwen3 tokenizer, no sampled checks; one per test module (tests may disable its segment path)."""
+    return PromptTokenizer.load(str(QWEN3_DIR), verify_rate=0.0)
 
 
 @pytest.fixture(scope="session")

@@ -20,16 +20,11 @@ from router.fast_sandbox import MemoSandbox, speed_up
 from router.hash_cache import HashCache
 from router.history import MAX_MISMATCHES, Chain, Entry, HistoryMemo, chain_of, learn_entries
 from router.tokenize import PromptTokenizer
-from support import GOLDEN, QWEN3_DIR, REPO
+from support import GOLDEN, REPO
 
 BLOCK = 16
 MODEL = "qwen3-0.6b"
 SHAREGPT = REPO / "loadtest" / "data" / "traces" / "sharegpt_multiturn_150.json"
-
-
-@pytest.fixture(scope="module")
-def tok() -> PromptTokenizer:
-    return PromptTokenizer.load(str(QWEN3_DIR), verify_rate=0.0)
 
 
 @pytest.fixture(scope="module")
@@ -46,9 +41,9 @@ def conversations(limit: int) -> list[list[dict[str, str]]]:
     return convs
 
 
-def keys_of(tok: PromptTokenizer, hashes: HashCache, body: dict[str, Any]) -> tuple[str, list[int]]:
-    text = tok.render_chat(body)
-    return text, hashes.hash_int64(tok.encode(text))
+def keys_of(qwen3: PromptTokenizer, hashes: HashCache, body: dict[str, Any]) -> tuple[str, list[int]]:
+    text = qwen3.render_chat(body)
+    return text, hashes.hash_int64(qwen3.encode(text))
 
 
 # -- chain_of ---------------------------------------------------------------------------
@@ -143,7 +138,7 @@ def test_a_mismatch_drops_the_entry_and_persistent_ones_turn_the_memo_off() -> N
 # -- learn_entries: real template, real conversations -------------------------------------
 
 
-def test_what_a_turn_teaches_is_a_prefix_of_the_next_turns_real_keys(tok: PromptTokenizer, hashes: HashCache) -> None:
+def test_what_a_turn_teaches_is_a_prefix_of_the_next_turns_real_keys(qwen3: PromptTokenizer, hashes: HashCache) -> None:
     """For every turn of 40 conversations: the entry learned from the request is a prefix of
     the keys of the next request (its messages plus the answer and a new question), and
     the entry for all but its last message is a prefix of that history with another last
@@ -155,19 +150,19 @@ def test_what_a_turn_teaches_is_a_prefix_of_the_next_turns_real_keys(tok: Prompt
             if [m["role"] for m in conv[n - 1 : n + 2]] != ["user", "assistant", "user"]:
                 continue  # a chat request ends with a question; its next turn adds an answer and one
             body = {"model": MODEL, "messages": conv[:n]}
-            text, keys = keys_of(tok, hashes, body)
+            text, keys = keys_of(qwen3, hashes, body)
             chain = chain_of(body)
             assert chain is not None
-            learned = dict(learn_entries(tok, memo, chain, body, text, False, keys, BLOCK))
+            learned = dict(learn_entries(qwen3, memo, chain, body, text, False, keys, BLOCK))
             nxt = {"model": MODEL, "messages": conv[: n + 2]}
-            _, next_keys = keys_of(tok, hashes, nxt)
+            _, next_keys = keys_of(qwen3, hashes, nxt)
             entry = learned.get(chain.hashes[-1])
             if entry is not None:
                 assert next_keys[: len(entry.keys)] == entry.keys
                 assert len(entry.keys) >= min(len(keys), len(next_keys)) - 2
                 checked += 1
             other = {"model": MODEL, "messages": [*conv[: n - 1], {"role": "user", "content": "something else entirely"}]}
-            _, other_keys = keys_of(tok, hashes, other)
+            _, other_keys = keys_of(qwen3, hashes, other)
             entry = learned.get(chain.hashes[-2])
             if entry is not None:
                 assert other_keys[: len(entry.keys)] == entry.keys
@@ -176,16 +171,16 @@ def test_what_a_turn_teaches_is_a_prefix_of_the_next_turns_real_keys(tok: Prompt
     assert checked >= 60
 
 
-def test_a_template_that_rewrites_earlier_text_teaches_nothing(tok: PromptTokenizer, hashes: HashCache) -> None:
+def test_a_template_that_rewrites_earlier_text_teaches_nothing(qwen3: PromptTokenizer, hashes: HashCache) -> None:
     """A template that renders the message count first shares nothing with the next turn,
     and one that moves the system prompt to the last user turn shares only the text
     before it: neither keeps an entry for the next turn (the segment cache does better)."""
-    counting = copy.copy(tok)
-    counting._hf = copy.copy(tok._hf)
+    counting = copy.copy(qwen3)
+    counting._hf = copy.copy(qwen3._hf)
     counting._template_info = {}
-    counting._hf.chat_template = "{{ messages|length }} messages<|im_end|>\n" + tok._hf.chat_template
+    counting._hf.chat_template = "{{ messages|length }} messages<|im_end|>\n" + qwen3._hf.chat_template
     moving = copy.copy(counting)
-    moving._hf = copy.copy(tok._hf)
+    moving._hf = copy.copy(qwen3._hf)
     moving._template_info = {}
     moving._hf.chat_template = (
         "{% for m in messages %}{% if m.role != 'system' %}<|im_start|>{{ m.role }}\n"
@@ -202,7 +197,7 @@ def test_a_template_that_rewrites_earlier_text_teaches_nothing(tok: PromptTokeni
         assert chain.hashes[-1] not in learned
 
 
-def test_tool_loops_teach_only_prefixes_of_every_continuation(tok: PromptTokenizer, hashes: HashCache) -> None:
+def test_tool_loops_teach_only_prefixes_of_every_continuation(qwen3: PromptTokenizer, hashes: HashCache) -> None:
     """Qwen3 keeps the reasoning of assistant turns after the last user question when a
     tool result follows, strips it when a user message follows, and joins consecutive
     tool results in one turn. Whatever the memo learns from an agent's requests must be
@@ -226,45 +221,45 @@ def test_tool_loops_teach_only_prefixes_of_every_continuation(tok: PromptTokeniz
     for messages in requests:
         memo = HistoryMemo(MODEL)
         body = {"model": MODEL, "messages": messages}
-        text, keys = keys_of(tok, hashes, body)
-        for key, entry in learn_entries(tok, memo, chain_of(body), body, text, False, keys, BLOCK):  # type: ignore[arg-type]
+        text, keys = keys_of(qwen3, hashes, body)
+        for key, entry in learn_entries(qwen3, memo, chain_of(body), body, text, False, keys, BLOCK):  # type: ignore[arg-type]
             memo.put(key, entry)
         for more in goes_on:
             for nxt in ([*messages, *more], [*messages[:-1], *more]):
                 hit = memo.find(chain_of({"model": MODEL, "messages": nxt}))  # type: ignore[arg-type]
                 if hit is not None:
-                    _, real = keys_of(tok, hashes, {"model": MODEL, "messages": nxt})
+                    _, real = keys_of(qwen3, hashes, {"model": MODEL, "messages": nxt})
                     assert real[: len(hit.entry.keys)] == hit.entry.keys, (len(messages), more)
                     hits += 1
     assert hits >= 4  # the plain chat turn, at least, is learned
 
 
-def test_shared_tokens_counts_up_to_the_last_added_token_certainly_shared(tok: PromptTokenizer) -> None:
+def test_shared_tokens_counts_up_to_the_last_added_token_certainly_shared(qwen3: PromptTokenizer) -> None:
     a = "hello <|im_start|>user\n" + "x" * 40 + "<|im_end|>\n<|im_start|>assistant\n" + "more words " * 5
-    full = tok.encode(a)
-    start, end = tok._added["<|im_start|>"], tok._added["<|im_end|>"]
+    full = qwen3.encode(a)
+    start, end = qwen3._added["<|im_start|>"], qwen3._added["<|im_end|>"]
     last = len(full) - 1 - full[::-1].index(start)
-    longest = max(map(len, tok._added))
+    longest = max(map(len, qwen3._added))
     at = a.rindex("<|im_start|>")
     after = at + len("<|im_start|>")
     # Differing far enough after the last <|im_start|>: everything through it is shared.
-    assert tok.shared_tokens(a, a[: at + longest] + "different", False) == (last + 1, after)
-    assert tok.shared_tokens(a, a[: at + longest - 1] + "different", False) == (full.index(end) + 1, a.index("<|im_end|>") + 10)
+    assert qwen3.shared_tokens(a, a[: at + longest] + "different", False) == (last + 1, after)
+    assert qwen3.shared_tokens(a, a[: at + longest - 1] + "different", False) == (full.index(end) + 1, a.index("<|im_end|>") + 10)
     # Differing right after it: which added token starts there depends on text past the
     # difference (a longer one could match), so neither it nor <|im_end|> just before counts.
-    assert tok.shared_tokens(a, a[: at + 3] + "different", False) == (full.index(start) + 1, a.index("user"))
-    assert tok.shared_tokens(a, a, False) == (last + 1, after)  # the text after the last added token never counts
-    assert tok.shared_tokens("plain text", "plain other", False) == (0, 0)
+    assert qwen3.shared_tokens(a, a[: at + 3] + "different", False) == (full.index(start) + 1, a.index("user"))
+    assert qwen3.shared_tokens(a, a, False) == (last + 1, after)  # the text after the last added token never counts
+    assert qwen3.shared_tokens("plain text", "plain other", False) == (0, 0)
     # The counted ids are exactly the ids of the counted characters.
-    n, chars = tok.shared_tokens(a, a[: at + longest] + "different", False)
-    assert tok.encode_full(a[:chars]) == full[:n]
+    n, chars = qwen3.shared_tokens(a, a[: at + longest] + "different", False)
+    assert qwen3.encode_full(a[:chars]) == full[:n]
 
 
 # -- the memoizing sandbox -----------------------------------------------------------------
 
 
-def test_memo_sandbox_renders_exactly_like_the_stock_sandbox(tok: PromptTokenizer) -> None:
-    template = tok._hf.chat_template
+def test_memo_sandbox_renders_exactly_like_the_stock_sandbox(qwen3: PromptTokenizer) -> None:
+    template = qwen3._hf.chat_template
     stock = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     fast = MemoSandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     for env in (stock, fast):
@@ -327,10 +322,10 @@ def test_memo_sandbox_reads_each_attribute_once_like_the_stock_sandbox() -> None
     assert out[0] == out[1] == "1 2 3 4"
 
 
-def test_speed_up_swaps_the_environment_transformers_compiled(tok: PromptTokenizer) -> None:
+def test_speed_up_swaps_the_environment_transformers_compiled(qwen3: PromptTokenizer) -> None:
     from transformers.utils.chat_template_utils import _compile_jinja_template
 
-    template = tok._hf.chat_template
+    template = qwen3._hf.chat_template
     assert speed_up(template)
     assert type(_compile_jinja_template(template).environment) is MemoSandbox
     assert not speed_up("{% if %}")  # a template that does not compile is left to fail where vLLM does

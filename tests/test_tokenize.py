@@ -34,11 +34,6 @@ SHAREGPT = REPO / "loadtest" / "data" / "traces" / "sharegpt_multiturn_150.json"
 
 
 @pytest.fixture(scope="module")
-def qwen3() -> PromptTokenizer:
-    return PromptTokenizer.load(str(QWEN3_DIR), verify_rate=0.0)
-
-
-@pytest.fixture(scope="module")
 def qwen3_full() -> PromptTokenizer:
     return PromptTokenizer.load(str(QWEN3_DIR), use_segments=False)
 
