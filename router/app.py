@@ -595,8 +595,7 @@ class Router:
         prompt = d.prompt
         if prompt is None:  # routed on remembered keys: rendered only now
             assert rt.tokenizer is not None
-            got = rt.tokenizer.prompt_text(d.body, d.kind)
-            prompt = Rendered(got[0], got[1], len(got[0])) if got is not None else None
+            prompt = _rendered_now(rt.tokenizer, d.body, d.kind)
         ids, _, keys = self._local(rt, d.body, d.kind, d.lora, d.salt, prompt)
         try:
             learned = self._history_job(rt, chain, d.body, prompt, keys)
@@ -644,11 +643,9 @@ class Router:
         tok, memo = rt.tokenizer, rt.history
         if chain is None or tok is None or memo is None:
             return []
+        prompt = prompt or _rendered_now(tok, body, "chat")
         if prompt is None:
-            got = tok.prompt_text(body, "chat")
-            if got is None:
-                return []
-            prompt = Rendered(got[0], got[1], len(got[0]))
+            return []
         return learn_entries(tok, memo, chain, body, prompt.text, prompt.add_special, keys, rt.config.block_size)
 
     @staticmethod
@@ -888,6 +885,12 @@ def _render(tok: PromptTokenizer, body: dict[str, Any], kind: str) -> tuple[str,
         return None
     except TokenizeError as e:
         raise BadRequest(str(e)) from e
+
+
+def _rendered_now(tok: PromptTokenizer, body: dict[str, Any], kind: str) -> Rendered | None:
+    """The prompt of a request routed before it was rendered (background thread)."""
+    got = tok.prompt_text(body, kind)
+    return Rendered(got[0], got[1], len(got[0])) if got is not None else None
 
 
 async def _woken(wake: asyncio.Event) -> None:
