@@ -20,13 +20,13 @@ they answer 502, or end their stream with an error event.
 Each backend owns two pooled keep-alive clients:
 
 - ``session``, an ``aiohttp.ClientSession`` (HTTP/1.1, connection limit sized for
-  streaming concurrency), carries the proxied requests. It is the data plane because
-  it costs about 0.2 ms of CPU per request where ``httpx.AsyncClient`` costs about
-  1.1 ms on the same machine (measured with a null backend, see
-  benchmarks/bench_router_overhead.py), and the router's throughput target is 800
-  short requests per second on one core;
-- ``client``, an ``httpx.AsyncClient``, carries the control plane: health checks,
-  ``/metrics`` scrapes, remote ``/tokenize`` and parity checks.
+  streaming concurrency), carries the proxied requests and the periodic polls (health
+  checks, ``/metrics`` scrapes). It costs about 0.2 ms of CPU per request where
+  ``httpx.AsyncClient`` costs about 1.1 ms on the same machine (measured with a null
+  backend, see benchmarks/bench_router_overhead.py): on the event loop, which every
+  request in flight waits for, and the polls run every second for every backend;
+- ``client``, an ``httpx.AsyncClient``, carries the rare calls: remote ``/tokenize``,
+  parity checks, ``/v1/models``.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import aiohttp
 import httpx
@@ -44,6 +45,14 @@ from router.config import Backend, Config, RouterSettings
 log = logging.getLogger(__name__)
 
 MAX_COOLDOWN_S = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class PollError:
+    """Why a health check or scrape got no answer."""
+
+    error: str
+    refused: bool
 
 
 class BackendState:
@@ -83,6 +92,18 @@ class BackendState:
             auto_decompress=False,
             skip_auto_headers=("Accept-Encoding", "User-Agent"),
         )
+
+    async def poll(self, path: str, timeout_s: float) -> tuple[int | PollError, bytes]:
+        """GET ``path`` over the pooled session: the status and body, or why it failed
+        (``refused``: nothing listens there any more)."""
+        assert self.session is not None, "BackendState.open() was not called"
+        try:
+            async with self.session.get(path, timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+                return r.status, await r.read()
+        except aiohttp.ClientConnectorError as e:
+            return PollError(repr(e), refused=True), b""
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            return PollError(repr(e), refused=False), b""
 
     @property
     def routable(self) -> bool:
@@ -164,18 +185,13 @@ class BackendPool:
             await asyncio.sleep(self.settings.health_interval_s)
 
     async def _check(self, b: BackendState) -> None:
-        try:
-            r = await b.client.get("/health", timeout=min(5.0, max(1.0, self.settings.health_interval_s)))
-        except httpx.ConnectError as e:
-            b.eject(f"health check refused: {e!r}", refused=True)
-            return
-        except httpx.HTTPError as e:
-            b.eject(f"health check failed: {e!r}")
-            return
-        if r.status_code == 200:
+        status, _ = await b.poll("/health", min(5.0, max(1.0, self.settings.health_interval_s)))
+        if status == 200:
             b.admit()
+        elif isinstance(status, int):
+            b.eject(f"health check answered {status}")
         else:
-            b.eject(f"health check answered {r.status_code}")
+            b.eject(f"health check {'refused' if status.refused else 'failed'}: {status.error}", refused=status.refused)
 
     async def aclose(self) -> None:
         await asyncio.gather(*(b.client.aclose() for b in self.backends.values()))

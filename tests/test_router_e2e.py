@@ -299,6 +299,14 @@ def test_debug_backends_shows_load_and_event_streams(router_url: str) -> None:
         for key in ("last_seq", "gaps", "replays", "blocks", "rehash_mode"):
             assert key in b
         assert {"in_flight", "prefill_tokens", "decode_seqs"} <= set(b["load"])
+    # The engines' own gauges, scraped from their /metrics every second, are there too.
+    deadline = time.monotonic() + 10
+    while any(b["load"]["scraped_running"] is None for b in backends) and time.monotonic() < deadline:
+        time.sleep(0.2)
+        backends = httpx.get(router_url + "/debug/backends", headers=headers()).json()["backends"]
+    for b in backends:
+        assert b["load"]["scraped_running"] is not None and b["load"]["scraped_waiting"] is not None
+        assert 0.0 <= b["load"]["scraped_kv_cache_usage"] <= 1.0
 
 
 def test_metrics_expose_router_series(router_url: str) -> None:
