@@ -560,12 +560,7 @@ class Router:
         rt = prepared.runtime
         try:
             await _woken(pending.wake)
-            loop = asyncio.get_running_loop()
-            self._settling += 1
-            try:
-                ids, keys, learned = await loop.run_in_executor(self.background, self._settle_job, rt, d, prepared.chain)
-            finally:
-                self._settling -= 1
+            ids, keys, learned = await self._in_background(self._settle_job, rt, d, prepared.chain)
             if d.cold:
                 assert rt.probe is not None
                 rt.probe.check(d.head, ids)
@@ -623,18 +618,20 @@ class Router:
         await _woken(wake)
         if self._settling >= MAX_SETTLING:
             return  # background work is behind: learn from a later turn instead
-        loop = asyncio.get_running_loop()
-        self._settling += 1
         try:
-            learned = await loop.run_in_executor(
-                self.background, self._history_job, rt, prepared.chain, prepared.body, prepared.rendered, prepared.ctx.keys
-            )
+            learned = await self._in_background(self._history_job, rt, prepared.chain, prepared.body, prepared.rendered, prepared.ctx.keys)
         except Exception as e:  # noqa: BLE001 - only the next turn's shortcut is lost
             log.warning("learning a %s chat history failed: %r", rt.config.name, e)
             return
+        self._remember_history(rt, learned)
+
+    async def _in_background(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` on the low-priority thread, counted in ``_settling`` (see :data:`MAX_SETTLING`)."""
+        self._settling += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.background, fn, *args)
         finally:
             self._settling -= 1
-        self._remember_history(rt, learned)
 
     @staticmethod
     def _history_job(

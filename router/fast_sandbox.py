@@ -50,6 +50,12 @@ request data could name more, and those past the bound are just checked every ti
 class MemoSandbox(ImmutableSandboxedEnvironment):
     """``ImmutableSandboxedEnvironment`` that remembers its attribute verdicts (see the module docstring)."""
 
+    _kvrouter_verdicts: dict[tuple[type, str], bool]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._kvrouter_verdicts = {}
+
     def getattr(self, obj: Any, attribute: str) -> Any:
         """The stock ``SandboxedEnvironment.getattr``, step for step, but for the
         remembered verdict and the dict shortcut (the same item lookup, without first
@@ -69,7 +75,7 @@ class MemoSandbox(ImmutableSandboxedEnvironment):
         fmt = self.wrap_str_format(value)
         if fmt is not None:
             return fmt
-        verdicts: dict[tuple[type, str], bool] = self.__dict__.setdefault("_kvrouter_verdicts", {})
+        verdicts = self._kvrouter_verdicts
         key = (type(obj), attribute)
         safe = verdicts.get(key)
         if safe is None:
@@ -97,5 +103,6 @@ def speed_up(template: str) -> bool:
         log.debug("chat template sandbox left as is: %r", e)
         return False
     if type(env) is ImmutableSandboxedEnvironment:
+        env._kvrouter_verdicts = {}  # what MemoSandbox.__init__ adds; swapping the class does not call it
         env.__class__ = MemoSandbox
     return type(env) is MemoSandbox

@@ -42,6 +42,8 @@ import msgspec
 import xxhash
 from prometheus_client import Counter
 
+from router import metrics
+
 if TYPE_CHECKING:
     from router.tokenize import PromptTokenizer
 
@@ -213,12 +215,12 @@ class HistoryMemo:
         """Whether a memo-routed request's real keys start with its entry's keys; a
         mismatch drops the entry, and persistent ones turn the memo off."""
         self.checks += 1
-        HISTORY_CHECKS.labels(self.model).inc()
+        metrics.child(HISTORY_CHECKS, self.model).inc()
         expected = hit.entry.keys
         if keys[: len(expected)] == expected:
             return True
         self.mismatches += 1
-        HISTORY_MISMATCHES.labels(self.model).inc()
+        metrics.child(HISTORY_MISMATCHES, self.model).inc()
         entry = self._entries.pop(hit.key, None)
         if entry is not None:
             self._keys -= len(entry.keys)

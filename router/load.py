@@ -214,13 +214,14 @@ async def scrape_forever(pool: BackendPool, tracker: LoadTracker, interval_s: fl
 async def _scrape_one(pool: BackendPool, tracker: LoadTracker, name: str) -> None:
     load = tracker.get(name)
     status, body = await pool.get(name).poll("/metrics", max(0.5, pool.settings.metrics_scrape_interval_s))
-    try:
-        values = parse_vllm_metrics(body.decode("utf-8", "replace")) if status == 200 else {}
-    except Exception as e:  # noqa: BLE001 - a page the Prometheus parser rejects only clears the second signal
-        log.debug("metrics page of %s unreadable: %r", name, e)
-        values = {}
+    values: dict[str, float] = {}
     if status != 200:
         log.debug("metrics scrape of %s failed: %s", name, status)
+    else:
+        try:
+            values = parse_vllm_metrics(body.decode("utf-8", "replace"))
+        except Exception as e:  # noqa: BLE001 - a page the Prometheus parser rejects only clears the second signal
+            log.debug("metrics page of %s unreadable: %r", name, e)
     load.scraped_waiting = values.get("vllm:num_requests_waiting")
     load.scraped_running = values.get("vllm:num_requests_running")
     load.scraped_kv_usage = values.get("vllm:kv_cache_usage_perc")
