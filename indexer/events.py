@@ -23,10 +23,11 @@ re-encoded unchanged; :func:`to_key` / :func:`to_keys` turn them into the unsign
 64-bit key the index uses, which is the same for both forms.
 
 :func:`encode_batch` is the inverse for the simulator: for a ``vllm_version`` it emits
-the bytes that version's ``ZmqEventPublisher`` would send. The field sets per version
-were read off vLLM 0.11, 0.14, 0.22, 0.28 and 0.33 (the golden captures); a version
-between two of those uses the older one's field set. The encoding switches from
-arrays to maps at 0.24 and the replay reply gains a topic frame at 0.26.
+the bytes that version's ``ZmqEventPublisher`` would send. Fields were added at 0.14,
+0.17, 0.20, 0.22, 0.26, 0.29, 0.30 and 0.33 (:data:`LAYOUT_VERSIONS`); a version uses
+the field set of the newest of those at or before it, so a field is neither dropped
+from a version that sends it nor invented for one that does not. The encoding switches
+from arrays to maps at 0.24 and the replay reply gains a topic frame at 0.26.
 
 The framing helpers at the end build and parse the ZMQ multipart messages (PUB and the
 replay DEALER/ROUTER exchange); they are pure functions so both the subscriber and the
@@ -57,6 +58,7 @@ __all__ = [
     "Event",
     "EventBatch",
     "EventDecodeError",
+    "LAYOUT_VERSIONS",
     "UnknownEvent",
     "WireSchema",
     "build_pub_frames",
@@ -329,9 +331,9 @@ def _decode_one(item: bytes, index: int) -> Event:
 class WireSchema:
     """How one vLLM version lays events out on the wire.
 
-    ``anchor`` is the verified version whose field sets this schema uses. In the map
-    form the first ``len(required)`` fields are always sent (they have no default in
-    vLLM); the rest are omitted while ``None``.
+    ``anchor`` is the first release (one of :data:`LAYOUT_VERSIONS`) with the field
+    sets this schema uses. In the map form the first ``len(required)`` fields are
+    always sent (they have no default in vLLM); the rest are omitted while ``None``.
     """
 
     anchor: str
@@ -344,13 +346,25 @@ class WireSchema:
 _STORED_REQUIRED = STORED_FIELDS[:7]
 _REMOVED_REQUIRED = REMOVED_FIELDS[:2]
 
+# (first release, number of BlockStored fields, number of BlockRemoved fields): every
+# release's structs are a prefix of the newest field order, and a row starts wherever a
+# release added a field ("both": to BlockStored and BlockRemoved). Read off each minor
+# release's kv_events.py from 0.11 to 0.32 (sampled patch releases changed nothing);
+# the golden captures of 0.11, 0.14, 0.22, 0.28 and 0.33 confirm the rows they fall in.
 _FIELD_SETS: tuple[tuple[tuple[int, int], int, int], ...] = (
     ((0, 11), 6, 2),
-    ((0, 14), 7, 2),
-    ((0, 22), 11, 3),
-    ((0, 28), 12, 4),
-    ((0, 33), 15, 5),
+    ((0, 14), 7, 2),  # + lora_name
+    ((0, 17), 8, 2),  # + extra_keys
+    ((0, 20), 9, 3),  # + group_idx (both)
+    ((0, 22), 11, 3),  # + kv_cache_spec_kind, kv_cache_spec_sliding_window
+    ((0, 26), 12, 4),  # + locality (both)
+    ((0, 29), 13, 5),  # + ownership (both)
+    ((0, 30), 14, 5),  # + session_id
+    ((0, 33), 15, 5),  # + lookahead_token_ids
 )
+LAYOUT_VERSIONS: tuple[str, ...] = tuple(f"{v[0]}.{v[1]}" for v, _, _ in _FIELD_SETS)
+"""The first vLLM release of each distinct set of event fields, oldest first."""
+
 _MAP_SINCE = (0, 24)
 _REPLAY_TOPIC_SINCE = (0, 26)
 _VERSION_RE = re.compile(r"^v?(\d+)\.(\d+)")

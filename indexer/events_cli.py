@@ -28,6 +28,8 @@ from indexer.events import (
     BlockStored,
     EventBatch,
     EventDecodeError,
+    LAYOUT_VERSIONS,
+    WireSchema,
     build_replay_request,
     decode_batch,
     parse_pub_frames,
@@ -36,7 +38,9 @@ from indexer.events import (
     to_expected_json,
 )
 
-_ARRAY_ANCHORS = ("0.11", "0.14", "0.22")
+_ARRAY_SCHEMAS: tuple[WireSchema, ...] = tuple(
+    s for s in (schema_for(v) for v in LAYOUT_VERSIONS) if s.array_like
+)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -134,27 +138,31 @@ def decode_jsonl(stdin: TextIO, stdout: TextIO, vllm_version: str | None) -> int
 
 
 def infer_array_version(payload: bytes) -> str | None:
-    """The verified version whose positional layout the payload's events have, if any.
+    """The first release of the positional layout the payload's events have, if any.
 
-    Positional events (<= 0.23) carry every field of their version, so their length
-    names the field set; map events do not, and get the newest field set (``None``).
+    Positional events (<= 0.23) carry every field of their version, so each event's
+    length narrows the candidate layouts. A BlockStored's length names one layout, but
+    a BlockRemoved's is shared by several (0.20 and 0.22 both send three fields), so the
+    newest layout that every event fits is taken: it renders each event's fields alike.
+    Map events do not say, and get the newest field set (``None``).
     """
     try:
         raw = msgspec.msgpack.decode(payload)
         events = raw[1]
     except Exception:
         return None
+    candidates = _ARRAY_SCHEMAS
+    narrowed = False
     for ev in events if isinstance(events, list) else ():
-        if not isinstance(ev, list) or not ev:
+        if not isinstance(ev, list) or not ev or ev[0] not in ("BlockStored", "BlockRemoved"):
             continue
         n_fields = len(ev) - 1
-        for anchor in _ARRAY_ANCHORS:
-            schema = schema_for(anchor)
-            if (ev[0] == "BlockStored" and n_fields == len(schema.stored_fields)) or (
-                ev[0] == "BlockRemoved" and n_fields == len(schema.removed_fields)
-            ):
-                return anchor
-    return None
+        if ev[0] == "BlockStored":
+            candidates = tuple(s for s in candidates if len(s.stored_fields) == n_fields)
+        else:
+            candidates = tuple(s for s in candidates if len(s.removed_fields) == n_fields)
+        narrowed = True
+    return candidates[-1].anchor if narrowed and candidates else None
 
 
 # -- readable modes ----------------------------------------------------------------------

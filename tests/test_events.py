@@ -33,6 +33,7 @@ from indexer.events import (
     to_key,
     to_keys,
 )
+from indexer.events_cli import infer_array_version
 from support import GOLDEN, KVROUTER, REPO, free_port
 
 EVENT_FILES = sorted(GOLDEN.glob("kv_events_vllm-*.jsonl"))
@@ -209,6 +210,98 @@ def test_schema_for_parses_versions_and_switch_points():
     assert schema_for("0.13.0").stored_fields == schema_for("0.11.0").stored_fields
     with pytest.raises(ValueError):
         schema_for("latest")
+
+
+# -- every field of every version (issue 13) ---------------------------------------------
+
+# The fields each vLLM release added to its event structs, read off every minor release's
+# vllm/distributed/kv_events.py from 0.11 to 0.32 (0.33 from its golden capture); a
+# release has every field added at or before it, in this order. Kept apart from
+# indexer.events so the two are checked against each other, not against themselves.
+_ADDED: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "0.11": (("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium"),
+             ("block_hashes", "medium")),
+    "0.14": (("lora_name",), ()),
+    "0.17": (("extra_keys",), ()),
+    "0.20": (("group_idx",), ("group_idx",)),
+    "0.22": (("kv_cache_spec_kind", "kv_cache_spec_sliding_window"), ()),
+    "0.26": (("locality",), ("locality",)),
+    "0.29": (("ownership",), ("ownership",)),
+    "0.30": (("session_id",), ()),
+    "0.33": (("lookahead_token_ids",), ()),
+}
+_TESTED_VERSIONS = ("0.11", "0.14", "0.17", "0.20", "0.22", "0.26", "0.28", "0.29", "0.30", "0.33")
+_FULL_STORED = {
+    "block_hashes": [2**63, 42], "parent_block_hash": 16045690984503098046, "token_ids": list(range(32)),
+    "block_size": 16, "lora_id": 7, "medium": "CPU", "lora_name": "sql-adapter",
+    "extra_keys": [["sql-adapter", ["img-hash-aaaa", 5], "tenant-a"], ["sql-adapter"]], "group_idx": 1,
+    "kv_cache_spec_kind": "sliding_window", "kv_cache_spec_sliding_window": 4096, "locality": "LOCAL",
+    "ownership": "OWNED", "session_id": "sess-1", "lookahead_token_ids": [[5], [6]],
+}
+_FULL_REMOVED = {"block_hashes": [2**63, 42], "medium": "CPU", "group_idx": 1, "locality": "LOCAL",
+                 "ownership": "OWNED"}
+
+
+def _vllm_fields(version: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``version``'s BlockStored and BlockRemoved fields, from :data:`_ADDED`."""
+    ver = tuple(int(x) for x in version.split(".")[:2])
+    stored: tuple[str, ...] = ()
+    removed: tuple[str, ...] = ()
+    for since, (s_added, r_added) in _ADDED.items():
+        if tuple(int(x) for x in since.split(".")) <= ver:
+            stored, removed = stored + s_added, removed + r_added
+    return stored, removed
+
+
+@pytest.mark.parametrize("version", [f"0.{minor}.0" for minor in range(11, 34)])
+def test_schema_for_has_exactly_the_fields_each_vllm_release_sends(version):
+    stored, removed = _vllm_fields(version)
+    schema = schema_for(version)
+    assert (schema.stored_fields, schema.removed_fields) == (stored, removed)
+
+
+@pytest.mark.parametrize("version", _TESTED_VERSIONS)
+def test_every_field_a_version_sends_survives_encode_decode_and_rendering(version):
+    stored, removed = _vllm_fields(version)
+    batch = EventBatch(1.5, [BlockStored(**_FULL_STORED), BlockRemoved(**_FULL_REMOVED), AllBlocksCleared()], 0)
+    decoded = decode_batch(encode_batch(batch, version))
+    ev_stored, ev_removed, _ = decoded.events
+    for ev, full, fields in ((ev_stored, _FULL_STORED, stored), (ev_removed, _FULL_REMOVED, removed)):
+        assert {f: getattr(ev, f) for f in full} == {f: (v if f in fields else None) for f, v in full.items()}
+    rendered = to_expected_json(decoded, version)["events"]
+    assert rendered[0] == {"type": "BlockStored", **{f: _FULL_STORED[f] for f in stored}}
+    assert rendered[1] == {"type": "BlockRemoved", **{f: _FULL_REMOVED[f] for f in removed}}
+    assert rendered[2] == {"type": "AllBlocksCleared"}
+    if "lora_name" in stored:
+        assert ev_stored.lora_name == rendered[0]["lora_name"] == "sql-adapter"
+
+
+def _wire_event(tag: str, full: dict, fields: tuple[str, ...], positional: bool) -> list | dict:
+    """An event laid out as vLLM sends it: ``[tag, *fields]`` up to 0.23, a map after."""
+    if positional:
+        return [tag, *(full[f] for f in fields)]
+    return {"type": tag, **{f: full[f] for f in fields}}
+
+
+@pytest.mark.parametrize("version", _TESTED_VERSIONS)
+def test_hand_built_wire_payload_of_each_version_decodes_every_field(version):
+    stored, removed = _vllm_fields(version)
+    positional = tuple(int(x) for x in version.split(".")) <= (0, 23)
+    payload = msgspec.msgpack.encode([1.5, [_wire_event("BlockStored", _FULL_STORED, stored, positional),
+                                            _wire_event("BlockRemoved", _FULL_REMOVED, removed, positional)], 0])
+    ev_stored, ev_removed = decode_batch(payload).events
+    assert {f: getattr(ev_stored, f) for f in stored} == {f: _FULL_STORED[f] for f in stored}
+    assert {f: getattr(ev_removed, f) for f in removed} == {f: _FULL_REMOVED[f] for f in removed}
+    assert ev_stored.lora_name == ("sql-adapter" if "lora_name" in stored else None)
+    assert encode_batch(decode_batch(payload), version) == payload
+
+
+@pytest.mark.parametrize("version", ["0.17", "0.20", "0.22"])
+def test_cli_infers_positional_layouts_between_the_golden_versions(version):
+    stored, removed = _vllm_fields(version)
+    events = [_wire_event("BlockRemoved", _FULL_REMOVED, removed, True),
+              _wire_event("BlockStored", _FULL_STORED, stored, True)]
+    assert infer_array_version(msgspec.msgpack.encode([1.5, events, 0])) == version
 
 
 def test_pub_frames_round_trip_and_reject_misshapen_messages():
