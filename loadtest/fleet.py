@@ -9,6 +9,7 @@ Ctrl-C, because the context managers own them.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -56,17 +57,24 @@ def free_port_run(n: int, host: str = "127.0.0.1") -> int:
 
 
 class Child:
-    """One child process with its log file; :meth:`stop` terminates, then kills after a grace."""
+    """One child process with its log file; :meth:`stop` terminates, then kills after a grace.
+
+    ``group=True`` starts it in a process group of its own and signals the whole group:
+    a real vLLM server forks an engine-core process that would outlive a killed parent.
+    ``unset`` names variables of this process's environment the child must not inherit.
+    """
 
     def __init__(self, name: str, args: list[str], log_path: Path, env: dict[str, str] | None = None,
-                 cwd: Path = REPO_ROOT) -> None:
+                 cwd: Path = REPO_ROOT, *, group: bool = False, unset: tuple[str, ...] = ()) -> None:
         self.name = name
         self.args = args
         self.log_path = log_path
+        self.group = group
         self._log = open(log_path, "wb")
-        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        full_env = {k: v for k, v in os.environ.items() if k not in unset}
+        full_env |= {"PYTHONUNBUFFERED": "1", **(env or {})}
         self.popen = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=full_env,
-                                      cwd=cwd, stdin=subprocess.DEVNULL)
+                                      cwd=cwd, stdin=subprocess.DEVNULL, start_new_session=group)
 
     def alive(self) -> bool:
         return self.popen.poll() is None
@@ -80,14 +88,25 @@ class Child:
 
     def stop(self, grace: float = 5.0) -> None:
         if self.popen.poll() is None:
-            self.popen.terminate()
+            self._signal(signal.SIGTERM)
             try:
                 self.popen.wait(grace)
             except subprocess.TimeoutExpired:
-                self.popen.kill()
+                self._signal(signal.SIGKILL)
                 self.popen.wait(grace)
+        if self.group:
+            self._signal(signal.SIGKILL)  # whatever of the group outlived its leader
         if not self._log.closed:
             self._log.close()
+
+    def _signal(self, sig: signal.Signals) -> None:
+        try:
+            if self.group:
+                os.killpg(self.popen.pid, sig)
+            else:
+                self.popen.send_signal(sig)
+        except ProcessLookupError:
+            pass
 
 
 PORT_RETRIES = 3
@@ -198,7 +217,40 @@ class FleetSpec:
     sim_args: list[str] = field(default_factory=list)
 
 
-class Fleet(_Supervised):
+class EngineFleet:
+    """What the bench, the tests and the router need of any fleet: its engines and one model.
+
+    ``spec`` carries the model's hashing settings under :class:`FleetSpec`'s names, so a
+    router config is written the same way for simulated and real engines.
+    """
+
+    spec: Any
+    engines: list[Engine]
+
+    def model_config(self) -> dict[str, Any]:
+        """The ``models[]`` entry (``router/config.py`` shape) serving this fleet."""
+        s = self.spec
+        return {
+            "name": s.model, "tokenizer": s.tokenizer, "block_size": s.block_size, "hash_algo": s.hash_algo,
+            "hash_seed": s.hash_seed, "vllm_version": s.vllm_version,
+            "backends": [{"name": e.name, "url": e.url, "kv_events": e.kv_events, "kv_replay": e.kv_replay}
+                         for e in self.engines],
+        }
+
+    def router_config(self, policy: str, port: int, weights: dict[str, Any] | None = None) -> dict[str, Any]:
+        """A whole router config for this fleet with one policy."""
+        router: dict[str, Any] = {"host": "127.0.0.1", "port": port, "policy": policy}
+        if weights:
+            router["weights"] = weights
+        return {"models": [self.model_config()], "router": router, "index": "memory"}
+
+    def reset_caches(self) -> None:
+        """Empty every engine's prefix cache (vLLM's ``POST /reset_prefix_cache``)."""
+        for e in self.engines:
+            httpx.post(e.url + "/reset_prefix_cache", timeout=30.0).raise_for_status()
+
+
+class Fleet(EngineFleet, _Supervised):
     """``kvrouter sim --instances K`` in one child process; engine i on consecutive ports."""
 
     def __init__(self, spec: FleetSpec, workdir: Path, *, name: str = "sim") -> None:
@@ -231,28 +283,6 @@ class Fleet(_Supervised):
         ]
         return [e.url + "/health" for e in self.engines]
 
-    def router_config(self, policy: str, port: int, weights: dict[str, Any] | None = None) -> dict[str, Any]:
-        """A router config (``router/config.py`` shape) for this fleet."""
-        s = self.spec
-        router: dict[str, Any] = {"host": "127.0.0.1", "port": port, "policy": policy}
-        if weights:
-            router["weights"] = weights
-        return {
-            "models": [{
-                "name": s.model, "tokenizer": s.tokenizer, "block_size": s.block_size, "hash_algo": s.hash_algo,
-                "hash_seed": s.hash_seed, "vllm_version": s.vllm_version,
-                "backends": [{"name": e.name, "url": e.url, "kv_events": e.kv_events, "kv_replay": e.kv_replay}
-                             for e in self.engines],
-            }],
-            "router": router,
-            "index": "memory",
-        }
-
-    def reset_caches(self) -> None:
-        """Empty every engine's prefix cache (vLLM's ``POST /reset_prefix_cache``)."""
-        for e in self.engines:
-            httpx.post(e.url + "/reset_prefix_cache", timeout=10.0)
-
 
 class _RouterProcess(_Supervised):
     """A router child on a loopback port (``port`` is picked when it spawns)."""
@@ -267,7 +297,7 @@ class _RouterProcess(_Supervised):
 class Router(_RouterProcess):
     """``kvrouter serve`` for a :class:`Fleet` with one policy, on a free port."""
 
-    def __init__(self, fleet: Fleet, policy: str, workdir: Path, *, weights: dict[str, Any] | None = None) -> None:
+    def __init__(self, fleet: EngineFleet, policy: str, workdir: Path, *, weights: dict[str, Any] | None = None) -> None:
         self.fleet = fleet
         self.policy = policy
         self.workdir = workdir

