@@ -40,6 +40,7 @@ from starlette.responses import Response
 from indexer.hashing import BlockHasher
 from indexer.index import Index, MemoryIndex, Worker
 from router import metrics
+from router.auth import Access
 from router.backends import BackendPool
 from router.cold import MIN_CHARS, HeadProbe
 from router.config import Config, Model
@@ -52,7 +53,6 @@ from router.errors import (
     NoHealthyBackend,
     PromptTooLong,
     RouterError,
-    Unauthorized,
     UnknownModel,
     UpstreamError,
 )
@@ -765,7 +765,8 @@ class Router:
         except TokenizeError as e:
             raise BadRequest(str(e)) from e
         except RemoteTokenizeError as e:
-            raise UpstreamError(f"remote tokenization failed: {e}") from e
+            log.warning("remote tokenization at %s failed: %s", name, e)
+            raise UpstreamError(f"remote tokenization at backend {name} failed", backend=name) from e
         metrics.child(metrics.TOKENIZE_SECONDS, rt.config.name).observe(time.perf_counter() - t0)
         return prompts
 
@@ -964,6 +965,8 @@ def _parse_json(raw: bytes) -> dict[str, Any]:
         raise BadRequest(f"request body is not valid UTF-8: {e}", code="invalid_encoding") from None
     except msgspec.DecodeError as e:
         raise BadRequest(f"request body is not valid JSON: {e}", code="invalid_json") from None
+    except RecursionError:
+        raise BadRequest("request body is nested too deeply", code="invalid_json") from None
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object", code="invalid_json")
     return body
@@ -976,8 +979,11 @@ def _json(obj: Any, status: int = 200) -> Response:
 def create_app(config: Config, index: Index | None = None) -> Endpoints:
     router = Router(config, index)
     settings = config.router
-    api_key = settings.api_key
-    expected_auth = f"Bearer {api_key}" if api_key else None
+    access = Access(settings)
+    if access.admin_same_as_client:
+        log.warning("router.admin_api_key equals router.api_key: every client can call /debug/*")
+    expose_reason = settings.expose_decision_headers
+    pass_authorization = settings.forward_client_authorization
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -1001,10 +1007,6 @@ def create_app(config: Config, index: Index | None = None) -> Endpoints:
 
         return register
 
-    def check_key(request: Request) -> None:
-        if expected_auth is not None and request.headers.get("authorization") != expected_auth:
-            raise Unauthorized("Incorrect API key provided.")
-
     async def read_json(request: Request) -> tuple[bytes, dict[str, Any], float]:
         """The body, parsed, and when it was fully received (the overhead clock starts there:
         a slow client's upload is not the router's time)."""
@@ -1014,8 +1016,15 @@ def create_app(config: Config, index: Index | None = None) -> Endpoints:
         metrics.BODY_SECONDS.observe(received - t0)
         return raw, _parse_json(raw), received
 
+    def upstream_headers(request: Request) -> tuple[dict[str, str], str | None]:
+        """What the engines get of the request's headers, and the client's Authorization
+        when it is passed on (only to backends without a key of their own)."""
+        headers = request.headers
+        return forwarded_headers(headers), headers.get("authorization") if pass_authorization else None
+
     async def openai(request: Request, kind: str, path: str) -> Response:
-        check_key(request)
+        access.client(request.headers)
+        forwarded, client_auth = upstream_headers(request)
         raw, body, started = await read_json(request)
         prepared = await router.prepare(body, len(raw), kind, request.headers, defer=True)
         chosen = prepared.decision.backend
@@ -1034,7 +1043,7 @@ def create_app(config: Config, index: Index | None = None) -> Endpoints:
             method="POST",
             path=path,
             body=raw,
-            headers=forwarded_headers(request.headers),
+            headers=forwarded,
             stream=body.get("stream") is True,
             keys=prepared.ctx.keys,
             prefill_tokens=prefill,
@@ -1042,7 +1051,8 @@ def create_app(config: Config, index: Index | None = None) -> Endpoints:
             policy=prepared.runtime.policy.name,
             started=started,
             retries=settings.retries,
-            reason=prepared.decision.reason,
+            reason=prepared.decision.reason if expose_reason else None,
+            client_authorization=client_auth,
             ticket=ticket,
             on_fallback=lambda backend: router.commit(prepared, backend),
             on_done=on_done,
@@ -1057,7 +1067,8 @@ def create_app(config: Config, index: Index | None = None) -> Endpoints:
         return await openai(request, "completion", "/v1/completions")
 
     async def passthrough(request: Request, path: str) -> Response:
-        check_key(request)
+        access.client(request.headers)
+        forwarded, client_auth = upstream_headers(request)
         raw, body, started = await read_json(request)
         rt, order = router.pick_any(body)
         return ProxyResponse(
@@ -1067,7 +1078,7 @@ def create_app(config: Config, index: Index | None = None) -> Endpoints:
             method="POST",
             path=path,
             body=raw,
-            headers=forwarded_headers(request.headers),
+            headers=forwarded,
             stream=False,
             keys=[],
             prefill_tokens={},
@@ -1075,6 +1086,7 @@ def create_app(config: Config, index: Index | None = None) -> Endpoints:
             policy="passthrough",
             started=started,
             retries=settings.retries,
+            client_authorization=client_auth,
         )
 
     @route("/v1/embeddings", "POST")
@@ -1091,7 +1103,7 @@ def create_app(config: Config, index: Index | None = None) -> Endpoints:
 
     @route("/v1/models", "GET")
     async def models(request: Request) -> Response:
-        check_key(request)
+        access.client(request.headers)
         data = []
         for rt in router.models.values():
             data.append({"id": rt.config.name, "object": "model", "created": 0, "owned_by": "kvrouter", "root": rt.config.name, "parent": None, "max_model_len": rt.max_model_len})
@@ -1111,7 +1123,7 @@ def create_app(config: Config, index: Index | None = None) -> Endpoints:
 
     @route("/debug/route", "POST")
     async def debug_route(request: Request) -> Response:
-        check_key(request)
+        access.admin(request.headers)
         raw, body, _ = await read_json(request)
         kind = "chat" if "messages" in body else "completion"
         prepared = await router.prepare(body, len(raw), kind, request.headers)
@@ -1148,7 +1160,7 @@ def create_app(config: Config, index: Index | None = None) -> Endpoints:
 
     @route("/debug/backends", "GET")
     async def debug_backends(request: Request) -> Response:
-        check_key(request)
+        access.admin(request.headers)
         stats = router.stream_stats()
         out = []
         for name, b in router.pool.backends.items():

@@ -65,6 +65,7 @@ class BackendState:
         self.settings = settings
         self.client = httpx.AsyncClient(
             base_url=backend.url,
+            headers=backend.auth_headers(),
             timeout=httpx.Timeout(settings.request_timeout_s, connect=settings.connect_timeout_s),
             limits=httpx.Limits(
                 max_connections=settings.max_connections_per_backend,
@@ -91,6 +92,7 @@ class BackendState:
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=s.connect_timeout_s, sock_read=s.request_timeout_s),
             auto_decompress=False,
             skip_auto_headers=("Accept-Encoding", "User-Agent"),
+            headers=self.config.auth_headers(),
         )
 
     async def poll(self, path: str, timeout_s: float) -> tuple[int | PollError, bytes]:

@@ -7,11 +7,16 @@ DESIGN.md; fields beyond it are optional extensions with safe defaults.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
+from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+log = logging.getLogger(__name__)
 
 HashAlgo = Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]
 PolicyName = Literal[
@@ -21,6 +26,17 @@ PolicyName = Literal[
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+def _non_empty(v: SecretStr) -> SecretStr:
+    # An empty key would read as "no key" and leave the door open: say so instead.
+    if not v.get_secret_value():
+        raise ValueError("an API key must not be empty (null means no key)")
+    return v
+
+
+ApiKey = Annotated[SecretStr, AfterValidator(_non_empty)]
+"""A secret: shown as ``**********`` by repr() and str(), so a logged config keeps it."""
 
 
 class LoraAdapter(_Strict):
@@ -39,13 +55,23 @@ class Backend(_Strict):
     kv_events: str | None = None
     kv_replay: str | None = None
     data_parallel_size: int = Field(default=1, ge=1)
+    api_key: ApiKey | None = None
+    """The engine's ``--api-key``: the router sends ``Authorization: Bearer KEY`` on every
+    call to it (proxied requests, health checks, scrapes, /tokenize)."""
 
     @field_validator("url")
     @classmethod
     def _http_url(cls, v: str) -> str:
         if not v.startswith(("http://", "https://")):
             raise ValueError(f"backend url must start with http:// or https://, got {v!r}")
+        if "@" in urlsplit(v).netloc:
+            # The url is shown in /debug/backends and in logs; a key belongs in api_key.
+            raise ValueError("backend url must not carry credentials (user:password@); use the backend's api_key")
         return v.rstrip("/")
+
+    def auth_headers(self) -> dict[str, str]:
+        """The headers every call to this engine carries (empty without an ``api_key``)."""
+        return {} if self.api_key is None else {"Authorization": f"Bearer {self.api_key.get_secret_value()}"}
 
     @field_validator("kv_events", "kv_replay")
     @classmethod
@@ -113,7 +139,19 @@ class RouterSettings(_Strict):
     port: int = Field(default=8080, ge=0, le=65535)
     policy: PolicyName = "kv_aware"
     weights: KvAwareWeights = KvAwareWeights()
-    api_key: str | None = None
+    api_key: ApiKey | None = None
+    """Clients of the OpenAI endpoints send ``Authorization: Bearer KEY``. It does not open
+    ``/debug/*`` (see ``admin_api_key``)."""
+    admin_api_key: ApiKey | None = None
+    """The key for ``/debug/*``. Unset while ``api_key`` is set, ``/debug/*`` is closed
+    (403); with neither key set, everything is open (local use)."""
+    expose_decision_headers: bool = False
+    """Add ``x-kvrouter-reason`` to proxied responses. Off by default: a reason such as
+    ``cache_hit`` tells any client whether some prefix (maybe another tenant's) is cached.
+    ``x-kvrouter-backend`` is always sent."""
+    forward_client_authorization: bool = False
+    """Pass the client's ``Authorization`` header on to backends that have no ``api_key``
+    (engines that check each client's own key). Off, engines never see a client's key."""
     max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
     request_timeout_s: float = Field(default=600.0, gt=0)
     connect_timeout_s: float = Field(default=5.0, gt=0)
@@ -157,11 +195,14 @@ class Config(_Strict):
     def _shared_backends_agree(self) -> "Config":
         # Backend state (health, load, connections) is kept per backend name, so a name
         # listed under two models must be the same engine.
-        seen: dict[str, str] = {}
+        seen: dict[str, Backend] = {}
         for m in self.models:
             for b in m.backends:
-                if seen.setdefault(b.name, b.url) != b.url:
-                    raise ValueError(f"backend {b.name!r} is listed with two urls: {seen[b.name]} and {b.url}")
+                first = seen.setdefault(b.name, b)
+                if first.url != b.url:
+                    raise ValueError(f"backend {b.name!r} is listed with two urls: {first.url} and {b.url}")
+                if first.api_key != b.api_key:
+                    raise ValueError(f"backend {b.name!r} is listed with two api_keys")
         return self
 
     @model_validator(mode="after")
@@ -184,14 +225,45 @@ class ConfigError(Exception):
     """The config file is missing, not YAML, or names an unknown key or a bad value."""
 
 
+class KeysFromEnv(BaseSettings):
+    """Keys given as environment variables instead of in the file (which is often committed).
+
+    ``KVROUTER_API_KEY`` and ``KVROUTER_ADMIN_API_KEY`` replace ``router.api_key`` and
+    ``router.admin_api_key``; ``KVROUTER_BACKEND_API_KEY`` is the ``api_key`` of every
+    backend that has none in the file. An empty variable counts as unset."""
+
+    model_config = SettingsConfigDict(env_prefix="KVROUTER_", extra="ignore")
+
+    api_key: SecretStr | None = None
+    admin_api_key: SecretStr | None = None
+    backend_api_key: SecretStr | None = None
+
+    def apply(self, config: Config) -> None:
+        router = config.router
+        for field in ("api_key", "admin_api_key"):
+            value = getattr(self, field)
+            if value is not None and value.get_secret_value():
+                setattr(router, field, value)
+                log.info("router.%s from KVROUTER_%s", field, field.upper())
+        key = self.backend_api_key
+        if key is not None and key.get_secret_value():
+            for m in config.models:
+                for b in m.backends:
+                    if b.api_key is None:
+                        b.api_key = key
+
+
 def load_config(path: str | Path) -> Config:
+    """The file's config, with the keys the environment gives (see :class:`KeysFromEnv`)."""
     try:
         raw = yaml.safe_load(Path(path).read_text())
     except OSError as e:
         raise ConfigError(f"cannot read config {path}: {e}") from e
     except yaml.YAMLError as e:
         raise ConfigError(f"config {path} is not valid YAML: {e}") from e
-    return parse_config(raw, source=str(path))
+    config = parse_config(raw, source=str(path))
+    KeysFromEnv().apply(config)
+    return config
 
 
 def parse_config(raw: object, source: str = "<config>") -> Config:

@@ -11,7 +11,11 @@ and shutdown and knows the same routes (so a wrong method is a 405 there).
 
 Errors keep one shape: a :class:`~router.errors.RouterError` becomes its OpenAI error
 (counted in ``kvrouter_rejected_total``), and an unexpected exception is logged and
-answered 500 in the same shape instead of Starlette's plain-text page.
+answered 500 in the same shape instead of Starlette's plain-text page. A
+``RecursionError`` is the request's doing, not a bug: a body nested a few hundred levels
+deep decodes, then exhausts the stack wherever it is walked next (hashing the messages,
+rendering the template). It is a 400 and one log line, not a 500 with a traceback that
+any client could repeat to fill the log.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from router import metrics
-from router.errors import RouterError, error_response
+from router.errors import BadRequest, RouterError, error_response
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +72,9 @@ class Endpoints:
             response = await endpoint(Request(scope, receive))
         except RouterError as exc:
             response = answer_error(exc)
+        except RecursionError:
+            log.warning("%s %s: request nested too deeply", scope["method"], scope["path"])
+            response = answer_error(BadRequest("request body is nested too deeply", code="invalid_json"))
         except Exception:  # noqa: BLE001 - a bug must still get an OpenAI-shaped answer
             log.exception("%s %s failed", scope["method"], scope["path"])
             response = answer_error(RouterError("internal error in the router"))

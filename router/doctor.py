@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
 
 def check_backend(model: Model, backend: Backend, timeout: float) -> BackendReport:
     report = BackendReport(model.name, backend.name, backend.url)
-    with httpx.Client(base_url=backend.url, timeout=timeout) as http:
+    with httpx.Client(base_url=backend.url, timeout=timeout, headers=backend.auth_headers()) as http:
         if not _check_served(report, model, http):
             return report
         _check_events(report, model, backend, http, timeout)

@@ -43,6 +43,14 @@ class Unauthorized(RouterError):
     code = "invalid_api_key"
 
 
+class Forbidden(RouterError):
+    """An admin endpoint while only the client key is configured (no admin key to open it)."""
+
+    status = 403
+    type = "invalid_request_error"
+    code = "admin_disabled"
+
+
 class UnknownModel(RouterError):
     status = 404
     type = "invalid_request_error"
@@ -64,7 +72,9 @@ class NoHealthyBackend(RouterError):
 class UpstreamError(RouterError):
     """Every backend tried failed before answering (connect error, reset, 502/503).
 
-    ``backend`` names the last backend tried, for the request metric's label."""
+    ``backend`` names the last backend tried, for the request metric's label. The message
+    goes to the client: it names the backend as configured, never its address or the
+    underlying exception (those go to the log and to ``/debug/backends``)."""
 
     status = 502
     type = "server_error"

@@ -21,6 +21,15 @@ watching the client connection:
 
 A failure after the response started cannot change its status: an SSE stream gets a
 final ``data: {"error": ...}`` event (what vLLM itself sends) and is then closed.
+
+Headers cross in both directions through allow-lists, so hop-by-hop headers
+(``Connection``, ``Keep-Alive``, ``Transfer-Encoding``, ``TE``, ``Upgrade``,
+``Proxy-Authorization`` ...) and anything a client sends as ``x-kvrouter-*`` never reach
+an engine, and an engine's never reach the client; a header the other side's
+``Connection`` names is hop-by-hop too (RFC 9110 §7.6.1) and is dropped. A client's
+``Authorization`` reaches an engine only with ``router.forward_client_authorization``;
+an engine's own key (``backends[].api_key``) is on its session. Error messages name
+the backend as configured; addresses and exception details go to the log.
 """
 
 from __future__ import annotations
@@ -42,10 +51,12 @@ from router.load import LoadTracker, Ticket
 
 log = logging.getLogger(__name__)
 
-FORWARDED_REQUEST_HEADERS = ("authorization", "content-type", "accept", "x-request-id", "traceparent", "user-agent")
-RELAYED_RESPONSE_HEADERS = (b"content-type", b"x-request-id", b"cache-control")
+FORWARDED_REQUEST_HEADERS = ("content-type", "accept", "x-request-id", "traceparent", "user-agent")
+RELAYED_RESPONSE_HEADERS = frozenset((b"content-type", b"x-request-id", b"cache-control"))
 BACKEND_HEADER = b"x-kvrouter-backend"
 REASON_HEADER = b"x-kvrouter-reason"
+_PLAIN_CONNECTION = frozenset(("keep-alive", "close", "Keep-Alive", "Close"))
+"""``Connection`` values that name no other header (the common ones, checked without parsing)."""
 
 _CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
 """The backend could not be reached: nothing was sent, safe to try elsewhere."""
@@ -55,8 +66,34 @@ _TIMEOUTS = (asyncio.TimeoutError, aiohttp.ServerTimeoutError)
 
 
 def forwarded_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    """The client's headers an engine gets: the allow-list, less what ``Connection`` names
+    (``Authorization`` is not on it: see ``ProxyResponse(client_authorization=...)``).
+    Values are forwarded as they are: uvicorn's parsers (httptools, h11) refuse a request
+    whose header holds a control character or a folded line, so none can reach here to
+    split an upstream request."""
     out = {k: v for k in FORWARDED_REQUEST_HEADERS if (v := headers.get(k)) is not None}
+    connection = headers.get("connection")
+    if connection is not None and connection not in _PLAIN_CONNECTION:
+        for token in connection.lower().split(","):
+            out.pop(token.strip(), None)
     out.setdefault("content-type", "application/json")
+    return out
+
+
+def relayed_headers(raw: Any) -> list[tuple[bytes, bytes]]:
+    """An engine's response headers the client gets: the allow-list, less what the
+    engine's ``Connection`` names (``raw``: aiohttp's ``raw_headers``)."""
+    out: list[tuple[bytes, bytes]] = []
+    connection: bytes | None = None
+    for k, v in raw:
+        k = k.lower()
+        if k in RELAYED_RESPONSE_HEADERS:
+            out.append((k, v))
+        elif k == b"connection":
+            connection = v.lower()
+    if connection is not None and connection not in (b"keep-alive", b"close"):
+        hop = {t.strip() for t in connection.split(b",")}
+        out = [(k, v) for k, v in out if k not in hop]
     return out
 
 
@@ -80,7 +117,8 @@ class ProxyResponse(Response):
         policy: str,
         started: float,
         retries: int,
-        reason: str = "",
+        reason: str | None = None,
+        client_authorization: str | None = None,
         ticket: Ticket | None = None,
         on_fallback: Any = None,
         on_done: Any = None,
@@ -105,6 +143,9 @@ class ProxyResponse(Response):
         self._on_fallback = on_fallback
         self._on_done = on_done
         self._reason = reason
+        """The decision's reason, sent as ``x-kvrouter-reason``; None: not sent."""
+        self._client_authorization = client_authorization
+        """The client's ``Authorization``, for backends without a key of their own."""
         self._backend_down = False
         self._client_gone = False
         self._response_started = False
@@ -150,9 +191,9 @@ class ProxyResponse(Response):
                 return
             backend_name = backend.name
             status = upstream.status
-            headers = [(k, v) for k, v in upstream.raw_headers if k.lower() in RELAYED_RESPONSE_HEADERS]
+            headers = relayed_headers(upstream.raw_headers)
             headers.append((BACKEND_HEADER, backend.name.encode()))
-            if self._reason:
+            if self._reason is not None:
                 headers.append((REASON_HEADER, self._reason.encode()))
             self._watch(backend)
             if self._stream and status == 200:
@@ -236,27 +277,28 @@ class ProxyResponse(Response):
             self._watch(backend)
             session = backend.session
             assert session is not None, "BackendPool.open() was not called"
+            headers = self._headers
+            if self._client_authorization is not None and backend.config.api_key is None:
+                headers = {**headers, "authorization": self._client_authorization}
             try:
-                upstream = await session.request(self._method, self._path, data=self._body, headers=self._headers)
+                upstream = await session.request(self._method, self._path, data=self._body, headers=headers)
             except (*_CONNECT_ERRORS, *_NO_BYTE_ERRORS) as e:
                 ticket.release()
                 kind = "connect" if isinstance(e, _CONNECT_ERRORS) else "reset"
-                backend.record_failure(f"{kind}: {e!r}", connect_error=kind == "connect")
-                metrics.child(metrics.UPSTREAM_FAILURES, name, kind).inc()
+                _failed(backend, kind, e, connect_error=kind == "connect")
                 metrics.child(metrics.RETRIES, name, kind).inc()
-                last = UpstreamError(f"backend {name} failed before answering ({kind}: {e!r})", backend=name)
+                what = "could not be reached" if kind == "connect" else "closed the connection before answering"
+                last = UpstreamError(f"backend {name} {what}", backend=name)
                 continue
             except _TIMEOUTS as e:
                 ticket.release()
-                backend.record_failure(f"timeout: {e!r}")
-                metrics.child(metrics.UPSTREAM_FAILURES, name, "timeout").inc()
+                _failed(backend, "timeout", e)
                 err = UpstreamTimeout(f"backend {name} did not answer in time", backend=name)
                 raise err from e
             except aiohttp.ClientError as e:
                 ticket.release()
-                backend.record_failure(f"error: {e!r}")
-                metrics.child(metrics.UPSTREAM_FAILURES, name, "error").inc()
-                err = UpstreamError(f"backend {name} failed: {e!r}", backend=name)
+                _failed(backend, "error", e)
+                err = UpstreamError(f"backend {name} failed before answering", backend=name)
                 raise err from e
             except asyncio.CancelledError:
                 ticket.release()
@@ -281,7 +323,7 @@ class ProxyResponse(Response):
                 metrics.child(metrics.UPSTREAM_FAILURES, name, f"status_{upstream.status}").inc()
                 metrics.child(metrics.RETRIES, name, f"status_{upstream.status}").inc()
                 continue
-            if tried > 1:
+            if tried > 1 and self._reason is not None:
                 self._reason = "fallback"
             return backend, ticket, upstream
         raise last
@@ -295,15 +337,13 @@ class ProxyResponse(Response):
     ) -> int:
         try:
             body = await upstream.read()
-        except _TIMEOUTS:
-            backend.record_failure("read timeout")
-            metrics.child(metrics.UPSTREAM_FAILURES, backend.name, "timeout").inc()
+        except _TIMEOUTS as e:
+            _failed(backend, "timeout", e)
             await error_response(UpstreamTimeout(f"backend {backend.name} did not finish in time"))({"type": "http"}, _no_receive, send)
             return 504
         except aiohttp.ClientError as e:
-            backend.record_failure(f"reset: {e!r}")
-            metrics.child(metrics.UPSTREAM_FAILURES, backend.name, "reset").inc()
-            await error_response(UpstreamError(f"backend {backend.name} failed mid-response: {e!r}"))({"type": "http"}, _no_receive, send)
+            _failed(backend, "reset", e)
+            await error_response(UpstreamError(f"backend {backend.name} failed mid-response"))({"type": "http"}, _no_receive, send)
             return 502
         ticket.first_token()
         status = upstream.status
@@ -337,9 +377,8 @@ class ProxyResponse(Response):
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except (aiohttp.ClientError, *_TIMEOUTS) as e:
             kind = "timeout" if isinstance(e, _TIMEOUTS) else "reset"
-            backend.record_failure(f"{kind} mid-stream: {e!r}")
-            metrics.child(metrics.UPSTREAM_FAILURES, backend.name, kind).inc()
-            message = f"backend {backend.name} failed mid-stream: {e!r}"
+            _failed(backend, kind, e, during="mid-stream")
+            message = f"backend {backend.name} failed mid-stream"
             if not self._response_started:
                 error = UpstreamTimeout(message) if kind == "timeout" else UpstreamError(message)
                 await error_response(error)({"type": "http"}, _no_receive, send)
@@ -350,6 +389,15 @@ class ProxyResponse(Response):
         backend.record_success()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         return 200
+
+
+def _failed(backend: BackendState, kind: str, exc: BaseException, *, connect_error: bool = False, during: str = "") -> None:
+    """Count an upstream failure and keep its detail for the operator: the log and
+    ``/debug/backends`` get the exception (it names the address), the client does not."""
+    detail = f"{kind}{' ' + during if during else ''}: {exc!r}"
+    backend.record_failure(detail, connect_error=connect_error)
+    metrics.child(metrics.UPSTREAM_FAILURES, backend.name, kind).inc()
+    log.warning("backend %s: %s", backend.name, detail)
 
 
 def _uncancel() -> None:

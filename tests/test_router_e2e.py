@@ -75,7 +75,7 @@ def fleet_config(fleet: dict[str, Any], **router: Any) -> dict[str, Any]:
             # The golden renderings' model name; the same engines, their events feed the first model.
             {"name": GOLDEN_MODEL, **common, "backends": [{"name": b["name"], "url": b["url"]} for b in backends]},
         ],
-        "router": {"health_interval_s": 0.5, "max_body_bytes": MAX_BODY, **router},
+        "router": {"health_interval_s": 0.5, "max_body_bytes": MAX_BODY, "expose_decision_headers": True, **router},
     }
 
 
@@ -83,7 +83,8 @@ def fleet_config(fleet: dict[str, Any], **router: Any) -> dict[str, Any]:
 def router_url(fleet: dict[str, Any]) -> Iterator[str]:
     port = free_port()
     path = Path(fleet["dir"]) / "router.yaml"
-    path.write_text(yaml.safe_dump(fleet_config(fleet, api_key=API_KEY)))
+    # One key for both: these tests read /debug/* with the client's key (the keys' separation: test_hardening.py).
+    path.write_text(yaml.safe_dump(fleet_config(fleet, api_key=API_KEY, admin_api_key=API_KEY)))
     with Proc(KVROUTER + ["serve", "--config", str(path), "--port", str(port)], Path(fleet["dir"]) / "router.log") as proc:
         wait_http(f"http://127.0.0.1:{port}/health", timeout=120, proc=proc.popen)
         yield f"http://127.0.0.1:{port}"

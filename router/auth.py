@@ -1,0 +1,69 @@
+"""Who may call what: the client key opens the OpenAI endpoints, the admin key ``/debug/*``.
+
+===================  ================  ===============
+keys configured      OpenAI endpoints  ``/debug/*``
+===================  ================  ===============
+none                 open              open
+``api_key``          ``api_key``       closed (403)
+``admin_api_key``    open              ``admin_api_key``
+both                 ``api_key``       ``admin_api_key``
+===================  ================  ===============
+
+With only a client key, ``/debug/*`` stays closed rather than falling back to that key:
+``/debug/route`` answers, for any prompt, how many of its blocks each backend holds, so a
+client could learn what other tenants' prompts begin with. ``/health`` and ``/metrics``
+stay open (load balancers and Prometheus scrape them without keys).
+
+Keys are compared with :func:`hmac.compare_digest` over bytes, so the time taken does not
+depend on how many leading characters of a guess were right.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Mapping
+
+from pydantic import SecretStr
+
+from router.config import RouterSettings
+from router.errors import Forbidden, Unauthorized
+
+_BEARER = "bearer "
+
+
+def _secret(key: SecretStr | None) -> bytes | None:
+    return None if key is None else key.get_secret_value().encode()
+
+
+def _matches(headers: Mapping[str, str], key: bytes) -> bool:
+    """Whether ``Authorization: Bearer <key>`` was sent (the scheme in any case, RFC 9110)."""
+    value = headers.get("authorization")
+    if value is None or value[:7].lower() != _BEARER:
+        return False
+    # Starlette decodes header bytes as latin-1: encoding back gives the bytes sent.
+    return hmac.compare_digest(value[7:].strip().encode("latin-1"), key)
+
+
+class Access:
+    """The router's two keys (see the module docstring for what each one opens)."""
+
+    def __init__(self, settings: RouterSettings) -> None:
+        self._client = _secret(settings.api_key)
+        self._admin = _secret(settings.admin_api_key)
+
+    @property
+    def admin_same_as_client(self) -> bool:
+        return self._admin is not None and self._client is not None and hmac.compare_digest(self._admin, self._client)
+
+    def client(self, headers: Mapping[str, str]) -> None:
+        """Raise :class:`Unauthorized` unless the OpenAI endpoints are open to this request."""
+        if self._client is not None and not _matches(headers, self._client):
+            raise Unauthorized("Incorrect API key provided.")
+
+    def admin(self, headers: Mapping[str, str]) -> None:
+        """Raise unless ``/debug/*`` is open to this request."""
+        if self._admin is not None:
+            if not _matches(headers, self._admin):
+                raise Unauthorized("Incorrect admin API key provided.")
+        elif self._client is not None:
+            raise Forbidden("Admin endpoints are disabled: the router has no admin_api_key.")
