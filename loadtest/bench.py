@@ -18,6 +18,11 @@ applies to session starts (think times are kept).
 own fresh fleet like every policy (``loadtest/peer.py``). It names no backend in its
 answers and has no kvrouter ``/metrics``: its per-backend counts come from the engines'
 request counters and its router overhead is left empty.
+
+``oracle`` (and the ``kv_aware+exact*`` ablations) run like any policy, on a fleet started
+with ``kvrouter sim --debug-state``: the router asks every engine for its exact state at
+each decision (:mod:`router.policies.oracle`). With an oracle run, every policy's TTFT-p90
+gain over round_robin is also reported as a fraction of the oracle's.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import json
 import statistics
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,13 +44,17 @@ from loadtest.fleet import Fleet, FleetError, FleetSpec, Router, histogram_quant
 from loadtest.peer import VllmRouter, parse_peers, peer_policy
 from loadtest.replay import NO_BACKEND, ReplayResult, Replayer, add_workload_args, load_workload, percentiles, write_records
 from loadtest.workloads import Workload, WorkloadError
+from router.policies import EXACT_STATE_POLICIES
 
 DEFAULT_POLICIES = "round_robin,least_loaded,kv_aware"
 SAMPLE_TRACES = {
     "mooncake": workloads.DATA_DIR / "traces" / "mooncake_conversation_head1500.jsonl",
     "sharegpt": workloads.DATA_DIR / "traces" / "sharegpt_multiturn_150.json",
     "synthetic": "default",
+    "mixed": "default",
 }
+SIDE_CHANNEL_ARG = "--debug-state"
+"""The simulator flag that opens the exact-state side channel, passed for the exact-state policies only."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,6 +212,8 @@ def run_policy(workload: Workload, spec: FleetSpec, policy: str, workdir: Path, 
     """One policy (kvrouter's, or a peer's ``vllm-router:POLICY``) on a fresh fleet and router;
     returns its results.json entry and plot data."""
     slug = policy.replace(":", "-")
+    if policy in EXACT_STATE_POLICIES and isinstance(spec, FleetSpec):
+        spec = replace(spec, sim_args=[*spec.sim_args, SIDE_CHANNEL_ARG])
     with Fleet(spec, workdir / slug) as fleet, _router(fleet, policy, workdir / slug, weights) as router:
         sampler = EngineSampler(fleet, sample_interval_s, spec.speedup)
         replayer = Replayer(router.url, spec.model, speedup=speedup, time_scale=spec.speedup)
@@ -364,6 +375,7 @@ def run_bench(opt: BenchOptions) -> dict[str, Any]:
         pr.result["ttft_floor_s"] = floor
         runs.append(pr.result)
         traces.append(pr.trace)
+    report.add_oracle_gains(runs)
     results = {"meta": meta, "runs": runs}
     (opt.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     title = opt.title or f"{wl.name}, {opt.spec.backends} engines"
@@ -380,9 +392,12 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", default=None, help="trace file (else --workload picks a shipped sample)")
     p.add_argument("--format", choices=workloads.FORMATS, default=None, help="trace format (default: detected)")
     p.add_argument("--workload", choices=tuple(SAMPLE_TRACES), default="mooncake",
-                   help="shipped sample workload when no --trace is given (default mooncake)")
+                   help="shipped sample workload when no --trace is given (default mooncake); mixed is generated "
+                        "from --seed (held-out seeds: loadtest.workloads.HELD_OUT_SEEDS), knobs with --mix")
     p.add_argument("--backends", type=int, default=4, help="simulated engines (default 4)")
-    p.add_argument("--policies", default=DEFAULT_POLICIES, help=f"comma-separated (default {DEFAULT_POLICIES})")
+    p.add_argument("--policies", default=DEFAULT_POLICIES,
+                   help=f"comma-separated (default {DEFAULT_POLICIES}); oracle and kv_aware+exact_load, "
+                        "kv_aware+exact_cache, kv_aware+exact read the simulated engines' exact state")
     p.add_argument("--peer", action="append", default=[], metavar="vllm-router[:POLICY]",
                    help="also run the Rust vllm-router, POLICY cache_aware (default) or kv_aware (fed by the "
                         "engines' KV events); repeatable or comma-separated; needs pip install 'kvrouter[peers]'")

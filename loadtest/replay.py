@@ -354,6 +354,9 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--session-rate", type=float, default=1.0, help="sharegpt: new conversations per second")
     p.add_argument("--think-time", type=float, default=5.0, help="sharegpt: mean think time between turns (s)")
     p.add_argument("--max-output-tokens", type=int, default=1024, help="sharegpt: cap of each turn's max_tokens")
+    p.add_argument("--mix", action="append", default=[], metavar="KEY=VALUE",
+                   help="mixed: one of the mixed workload's knobs (loadtest.workloads.MixedSpec), repeatable: "
+                        "e.g. agent=0.5, context_tokens=16384, burst_factor=8")
 
 
 def load_workload(args: argparse.Namespace, path: str, fmt: str | None) -> Workload:
@@ -364,12 +367,24 @@ def load_workload(args: argparse.Namespace, path: str, fmt: str | None) -> Workl
     elif fmt == "sharegpt":
         opts = {"session_rate": args.session_rate, "think_s": args.think_time,
                 "max_output_tokens": args.max_output_tokens}
+    elif fmt == "mixed":
+        opts = {"mix": _key_values(args.mix, "--mix")}
     return workloads.load(path, fmt, seed=args.seed, max_requests=args.max_requests,
                           tokenizer_path=args.tokenizer, **opts)
 
 
+def _key_values(items: list[str], flag: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise WorkloadError(f"{flag} wants KEY=VALUE, got {item!r}")
+        out[key.strip()] = value.strip()
+    return out
+
+
 def configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("trace", help="trace file; for --format synthetic a JSON spec or 'default'")
+    p.add_argument("trace", help="trace file; for --format synthetic or mixed a JSON spec or 'default'")
     p.add_argument("--target", required=True, help="base URL of an OpenAI endpoint, e.g. http://127.0.0.1:8080")
     p.add_argument("--model", required=True, help="model name to put in every request")
     p.add_argument("--format", choices=workloads.FORMATS, default=None, help="trace format (default: detected)")

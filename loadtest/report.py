@@ -58,23 +58,77 @@ def _f(v: float | None, fmt: str) -> str:
 COLUMNS = ("policy", "TTFT p50 ms", "TTFT p90 ms", "TTFT p99 ms", "engine TTFT p90 ms", "e2e p50 ms", "e2e p99 ms",
            "output tok/s",
            "cached ratio", "ideal ratio", "max/mean load", "router overhead ms", "errors")
+ORACLE_COLUMNS = ("of oracle gain", "engine: of oracle gain")
+"""Shown when the bench ran the oracle: each policy's TTFT-p90 gain over round_robin as a
+fraction of the oracle's, at the client and at the engines (:func:`add_oracle_gains`)."""
+
+ORACLE = "oracle"
+BASELINE = "round_robin"
+
+
+def add_oracle_gains(runs: list[dict[str, Any]], base: str = BASELINE, oracle: str = ORACLE) -> None:
+    """Set each run's ``oracle_gain``: ``{"ttft_p90", "engine_ttft_p90"}``, its TTFT-p90 gain over
+    ``base`` as a fraction of ``oracle``'s gain (1.0: as good as the oracle, 0: no better than
+    ``base``, below 0: worse). None where either run is missing or the oracle gained nothing."""
+    by = {r["policy"]: r for r in runs}
+    for r in runs:
+        r["oracle_gain"] = {
+            "ttft_p90": _gain_fraction(by.get(base), r, by.get(oracle), _client_p90),
+            "engine_ttft_p90": _gain_fraction(by.get(base), r, by.get(oracle), _engine_p90),
+        }
+
+
+def _client_p90(r: dict[str, Any]) -> float | None:
+    return r["ttft_s"]["p90"]
+
+
+def _engine_p90(r: dict[str, Any]) -> float | None:
+    return (r.get("engine_ttft_s") or {}).get("p90")
+
+
+def _gain_fraction(base: dict[str, Any] | None, run: dict[str, Any], oracle: dict[str, Any] | None,
+                   p90: Any) -> float | None:
+    if base is None or oracle is None:
+        return None
+    b, x, o = p90(base), p90(run), p90(oracle)
+    if b is None or x is None or o is None or b - o <= 0:
+        return None
+    return (b - x) / (b - o)
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0%}"
+
+
+def _shows_oracle(runs: list[dict[str, Any]]) -> bool:
+    return any(r["policy"] == ORACLE for r in runs)
+
+
+def columns(runs: list[dict[str, Any]]) -> tuple[str, ...]:
+    return COLUMNS[:-1] + ORACLE_COLUMNS + COLUMNS[-1:] if _shows_oracle(runs) else COLUMNS
 
 
 def table_rows(runs: list[dict[str, Any]]) -> list[list[str]]:
+    oracle = _shows_oracle(runs)
     rows = []
     for r in runs:
-        rows.append([
+        row = [
             r["policy"], _ms(r["ttft_s"]["p50"]), _ms(r["ttft_s"]["p90"]), _ms(r["ttft_s"]["p99"]),
-            _ms((r.get("engine_ttft_s") or {}).get("p90")),
+            _ms(_engine_p90(r)),
             _ms(r["e2e_s"]["p50"]), _ms(r["e2e_s"]["p99"]), _f(r["output_tokens_per_s"], ",.0f"),
             _f(r["cached_ratio"], ".3f"), _f(r.get("ideal_cached_ratio"), ".3f"), _f(r.get("load_imbalance"), ".2f"),
-            _f(_first(r.get("router_overhead_ms"), r.get("router_decision_probe_ms")), ".2f"), f"{r['errors']}/{r['requests']}",
-        ])
+            _f(_first(r.get("router_overhead_ms"), r.get("router_decision_probe_ms")), ".2f"),
+        ]
+        if oracle:
+            gain = r.get("oracle_gain") or {}
+            row += [_pct(gain.get("ttft_p90")), _pct(gain.get("engine_ttft_p90"))]
+        rows.append(row + [f"{r['errors']}/{r['requests']}"])
     return rows
 
 
 def markdown_table(runs: list[dict[str, Any]]) -> str:
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join(["---"] + ["---:"] * (len(COLUMNS) - 1)) + "|"]
+    cols = columns(runs)
+    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join(["---"] + ["---:"] * (len(cols) - 1)) + "|"]
     lines += ["| " + " | ".join(row) + " |" for row in table_rows(runs)]
     return "\n".join(lines)
 
@@ -92,8 +146,9 @@ def rich_table(runs: list[dict[str, Any]], title: str) -> Any:
     from rich.table import Table
 
     t = Table(title=title)
-    t.add_column(COLUMNS[0], no_wrap=True, min_width=max((len(r["policy"]) for r in runs), default=0))
-    for c in COLUMNS[1:]:
+    cols = columns(runs)
+    t.add_column(cols[0], no_wrap=True, min_width=max((len(r["policy"]) for r in runs), default=0))
+    for c in cols[1:]:
         t.add_column(c, justify="right")
     for row in table_rows(runs):
         t.add_row(*row)
@@ -125,6 +180,29 @@ def comparison(runs: list[dict[str, Any]], base: str = "round_robin", best: str 
                f" (ideal {b.get('ideal_cached_ratio') or 0:.3f}).")
     if b.get("load_imbalance") is not None:
         out.append(f"Load imbalance (max/mean requests per backend) under {best}: {b['load_imbalance']:.2f}.")
+    return out + oracle_comparison(runs, base, best)
+
+
+def oracle_comparison(runs: list[dict[str, Any]], base: str = BASELINE, best: str = "kv_aware") -> list[str]:
+    """Sentences placing ``best`` and its exact-state ablations between ``base`` and the oracle
+    (empty without an oracle run): the split of its gap into information and cost model."""
+    by = {r["policy"]: r for r in runs}
+    if ORACLE not in by or base not in by or best not in by:
+        return []
+    o = by[ORACLE]
+
+    def share(policy: str) -> str:
+        gain = by[policy].get("oracle_gain") or {}
+        return f"{_pct(gain.get('ttft_p90'))} at the client, {_pct(gain.get('engine_ttft_p90'))} at the engines"
+
+    out = [f"Oracle (each engine's exact state, the simulator's own TTFT prediction): TTFT p90 "
+           f"{_ms(_client_p90(o))} ms at the client, {_ms(_engine_p90(o))} ms at the engines; {best} has "
+           f"{share(best)} of the oracle's TTFT-p90 gain over {base}."]
+    ablations = [p for p in (f"{best}+exact_load", f"{best}+exact_cache", f"{best}+exact") if p in by]
+    if ablations:
+        out.append(f"With exact engine state fed to {best}'s cost: " + "; ".join(f"{p} {share(p)}" for p in ablations)
+                   + f". What exact state adds over {best} is what the router cannot know (stale events, unseen load);"
+                   f" what {best}+exact still lacks is its cost model's error.")
     return out
 
 
@@ -146,6 +224,12 @@ def write_markdown(path: Path, meta: dict[str, Any], runs: list[dict[str, Any]],
               "(for engines that do not, the p90 is interpolated in `vllm:time_to_first_token_seconds`' buckets,",
               "as Prometheus' histogram_quantile does): it holds queueing and prefill but not the",
               "router's and the client's own time, which a busy test machine inflates by the speedup factor.", ""]
+    if _shows_oracle(runs):
+        lines += ["The oracle sends each request where the simulator's own scheduler and latency model predict the",
+                  "earliest first token, from each engine's exact queue, running batch and cache at decision time",
+                  "(`kvrouter sim --debug-state`); \"of oracle gain\" is a policy's TTFT-p90 gain over round_robin as a",
+                  "fraction of the oracle's. `kv_aware+exact_load`, `+exact_cache` and `+exact` are kv_aware's cost fed",
+                  "the engines' exact load, exact cache, or both (router/policies/oracle.py).", ""]
     lines += [f"![{p}]({p})" for p in plots]
     path.write_text("\n".join(lines) + "\n")
 

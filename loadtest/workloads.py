@@ -48,8 +48,8 @@ MOONCAKE_BLOCK_TOKENS = 512
 DATA_DIR = Path(__file__).resolve().parent / "data"
 DEFAULT_TOKENIZER = DATA_DIR / "tokenizers" / "qwen3"
 
-Format = Literal["mooncake", "sharegpt", "jsonl", "synthetic"]
-FORMATS: tuple[str, ...] = ("mooncake", "sharegpt", "jsonl", "synthetic")
+Format = Literal["mooncake", "sharegpt", "jsonl", "synthetic", "mixed"]
+FORMATS: tuple[str, ...] = ("mooncake", "sharegpt", "jsonl", "synthetic", "mixed")
 
 
 class WorkloadError(ValueError):
@@ -395,6 +395,298 @@ def _weighted_sample(rng: random.Random, n: int, weights: list[float], k: int) -
     return sorted(keys[:k])
 
 
+# -- mixed agentic and multi-tenant traffic --------------------------------------------
+
+TUNING_SEEDS: tuple[int, ...] = (0, 1, 2, 3, 4)
+"""Seeds of the mixed workload that policies and their weights may be tuned on (0 is the default)."""
+HELD_OUT_SEEDS: tuple[int, ...] = (1001, 1002, 1003, 1004, 1005)
+"""Seeds of the mixed workload kept for measurement: report these only, never tune on them."""
+MIXED_KINDS = ("chat", "agent", "rag", "oneoff")
+
+
+def seed_set(seed: int) -> str:
+    """``held-out``, ``tuning`` or ``other``: which of the mixed workload's fixed seed sets ``seed`` is in."""
+    return "held-out" if seed in HELD_OUT_SEEDS else "tuning" if seed in TUNING_SEEDS else "other"
+
+
+@dataclass(frozen=True, slots=True)
+class MixedSpec:
+    """Knobs of :func:`mixed`: the mix, the context lengths, the burstiness.
+
+    Lengths are means in tokens (each draw is log-normal around it, times
+    ``length_scale``). ``chat``, ``agent``, ``rag`` and ``oneoff`` are the *request*
+    fractions of each kind (normalised; multi-turn kinds start proportionally fewer
+    sessions). Sessions start as a Poisson process at ``rate`` per second that spends
+    ``burst_fraction`` of the time in bursts (mean ``burst_s`` long) at ``burst_factor``
+    times the rate.
+    """
+
+    requests: int = 600
+    chat: float = 0.35
+    agent: float = 0.25
+    rag: float = 0.25
+    oneoff: float = 0.15
+    tenants: int = 12
+    tenant_skew: float = 1.0
+    system_tokens: int = 1024
+    chat_turns: float = 4.0
+    user_tokens: int = 200
+    answer_tokens: int = 200
+    think_s: float = 8.0
+    max_context_tokens: int = 24576
+    agent_system_tokens: int = 1536
+    contexts: int = 6
+    context_tokens: int = 8192
+    context_skew: float = 1.0
+    agent_steps: float = 6.0
+    task_tokens: int = 150
+    tool_tokens: int = 400
+    agent_output_tokens: int = 120
+    agent_think_s: float = 1.0
+    docs: int = 200
+    doc_tokens: int = 600
+    doc_skew: float = 1.1
+    docs_per_request: int = 3
+    question_tokens: int = 60
+    rag_output_tokens: int = 150
+    oneoff_tokens: int = 1500
+    oneoff_output_tokens: int = 200
+    rate: float = 1.0
+    burst_factor: float = 4.0
+    burst_fraction: float = 0.15
+    burst_s: float = 20.0
+    length_scale: float = 1.0
+    form: Literal["ids", "chat"] = "ids"
+    """``ids``: ``/v1/completions`` with token-id prompts, segments concatenated (no template
+    to tokenize: the routing, not the tokenizer, is measured); ``chat``: the same structure
+    as chat messages in text."""
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> MixedSpec:
+        """A JSON object of fields; ``default`` (or an empty path) gives the defaults."""
+        if str(path) in ("", "default", "-"):
+            return cls()
+        raw = _read_json(path, "mixed workload spec")
+        if not isinstance(raw, dict):
+            raise WorkloadError(f"{path}: a mixed workload spec is a JSON object")
+        return cls.with_overrides(raw, str(path))
+
+    @classmethod
+    def with_overrides(cls, raw: dict[str, Any], source: str = "mixed workload", base: MixedSpec | None = None) -> MixedSpec:
+        """``base`` (the defaults) with ``raw``'s fields; strings (from the command line) are parsed."""
+        unknown = sorted(set(raw) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise WorkloadError(f"{source}: unknown mixed workload keys {unknown}")
+        base = base or cls()
+        values: dict[str, Any] = {}
+        for k, v in raw.items():
+            try:
+                values[k] = _coerce(type(getattr(base, k)), v)
+            except (TypeError, ValueError) as e:
+                raise WorkloadError(f"{source}: {k}={v!r}: {e}") from e
+        spec = replace(base, **values)
+        spec.validate()
+        return spec
+
+    def validate(self) -> None:
+        positive = ("requests", "tenants", "system_tokens", "user_tokens", "answer_tokens", "max_context_tokens",
+                    "agent_system_tokens", "contexts", "context_tokens", "task_tokens", "tool_tokens",
+                    "agent_output_tokens", "docs", "doc_tokens", "question_tokens", "rag_output_tokens",
+                    "oneoff_tokens", "oneoff_output_tokens", "rate", "burst_s", "length_scale", "chat_turns",
+                    "agent_steps", "burst_factor")
+        bad = [k for k in positive if not getattr(self, k) > 0]
+        if bad:
+            raise WorkloadError(f"mixed workload: {', '.join(bad)} must be > 0")
+        fractions = [getattr(self, k) for k in MIXED_KINDS]
+        if any(f < 0 for f in fractions) or sum(fractions) <= 0:
+            raise WorkloadError("mixed workload: the fractions chat, agent, rag, oneoff must be >= 0, not all 0")
+        if not 0 <= self.burst_fraction < 1:
+            raise WorkloadError("mixed workload: burst_fraction must be within [0, 1)")
+        if self.chat_turns < 1 or self.agent_steps < 1:
+            raise WorkloadError("mixed workload: chat_turns and agent_steps are means of at least 1")
+        if not 0 <= self.docs_per_request <= self.docs:
+            raise WorkloadError("mixed workload: need 0 <= docs_per_request <= docs")
+        if min(self.think_s, self.agent_think_s, self.tenant_skew, self.context_skew, self.doc_skew) < 0:
+            raise WorkloadError("mixed workload: think times and skews must be >= 0")
+        if self.form not in ("ids", "chat"):
+            raise WorkloadError("mixed workload: form is ids or chat")
+
+
+def _coerce(kind: type, v: Any) -> Any:
+    if kind is str:
+        return str(v)
+    number = float(v) if isinstance(v, str) else v
+    if kind is int:
+        if isinstance(number, bool) or number != int(number):
+            raise ValueError("not an integer")
+        return int(number)
+    return float(number)
+
+
+def mixed(
+    spec: MixedSpec = MixedSpec(),
+    *,
+    seed: int = 0,
+    tokenizer_path: str | Path = DEFAULT_TOKENIZER,
+    max_requests: int | None = None,
+) -> Workload:
+    """Mixed agentic and multi-tenant traffic, everything drawn from ``seed``.
+
+    Four kinds of session, each starting at a bursty Poisson arrival:
+
+    * **chat**: a tenant's conversation (tenants by Zipf popularity, each with its own
+      system prompt), its history growing turn by turn with recorded answers, think
+      times between turns, until ``max_context_tokens``;
+    * **agent**: a loop over a long shared context (a repository, a manual: one of
+      ``contexts``, Zipf-popular) behind one agent system prompt; each step appends the
+      agent's action and a tool's output and goes again after a short tool latency;
+    * **rag**: a tenant's system prompt, ``docs_per_request`` documents retrieved from a
+      Zipf-skewed pool (in canonical order, so shared documents share a prefix), a question;
+    * **oneoff**: a prompt nobody else sends.
+
+    Use :data:`TUNING_SEEDS` to tune and report :data:`HELD_OUT_SEEDS` only.
+    """
+    spec.validate()
+    n_requests = max_requests if max_requests is not None else spec.requests
+    rng = random.Random(f"mixed/{seed}")
+    src = TokenSource(seed, tokenizer_path)
+    gen = _MixedGen(spec, rng, src)
+    sessions: list[Session] = []
+    total = 0
+    for start in _bursty_arrivals(spec, rng):
+        if total >= n_requests:
+            break
+        kind = gen.kind()
+        turns = gen.session(kind, len(sessions))
+        sessions.append(Session(f"mx-{kind}-{len(sessions)}", start, turns))
+        total += len(turns)
+    wl = _finish("mixed", sessions, 0, "mixed")
+    wl.name = f"mixed (seed {seed}, {seed_set(seed)})"
+    return wl.head(n_requests)
+
+
+def _bursty_arrivals(spec: MixedSpec, rng: random.Random) -> Iterator[float]:
+    """Session starts: Poisson at ``rate``, switching to ``burst_factor x rate`` for exponential
+    bursts of mean ``burst_s`` that take ``burst_fraction`` of the time (a two-state MMPP)."""
+    calm_s = spec.burst_s * (1 - spec.burst_fraction) / spec.burst_fraction if spec.burst_fraction > 0 else math.inf
+    t = 0.0
+    bursting = False
+    regime_end = rng.expovariate(1 / calm_s) if math.isfinite(calm_s) else math.inf
+    while True:
+        rate = spec.rate * (spec.burst_factor if bursting else 1.0)
+        t_next = t + rng.expovariate(rate)
+        if t_next < regime_end:
+            t = t_next
+            yield t
+            continue
+        t = regime_end
+        bursting = not bursting
+        regime_end = t + rng.expovariate(1 / (spec.burst_s if bursting else calm_s))
+
+
+class _MixedGen:
+    """The token material and sessions of :func:`mixed` (one instance per workload)."""
+
+    def __init__(self, spec: MixedSpec, rng: random.Random, src: TokenSource) -> None:
+        self.spec = spec
+        self.rng = rng
+        self.src = src
+        mean_turns = {"chat": spec.chat_turns, "agent": spec.agent_steps, "rag": 1.0, "oneoff": 1.0}
+        self.kind_weights = [getattr(spec, k) / mean_turns[k] for k in MIXED_KINDS]
+        self.tenant_weights = [1.0 / (r + 1) ** spec.tenant_skew for r in range(spec.tenants)]
+        self.context_weights = [1.0 / (r + 1) ** spec.context_skew for r in range(spec.contexts)]
+        self.doc_weights = [1.0 / (r + 1) ** spec.doc_skew for r in range(spec.docs)]
+        self.system_len = [self.length(spec.system_tokens) for _ in range(spec.tenants)]
+        self.agent_system_len = self.length(spec.agent_system_tokens)
+        self.context_len = [self.length(spec.context_tokens) for _ in range(spec.contexts)]
+        self.doc_len = [self.length(spec.doc_tokens) for _ in range(spec.docs)]
+
+    def kind(self) -> str:
+        return self.rng.choices(MIXED_KINDS, weights=self.kind_weights)[0]
+
+    def length(self, mean: float) -> int:
+        """A log-normal draw with mean ``mean x length_scale`` (sigma 0.5), at least 1."""
+        return max(1, round(mean * self.spec.length_scale * self.rng.lognormvariate(-0.125, 0.5)))
+
+    def count(self, mean: float) -> int:
+        """A geometric draw >= 1 with mean ``mean`` (turns, steps)."""
+        return 1 + int(math.log(self.rng.random() or 1e-12) / math.log(1 - 1 / mean)) if mean > 1 else 1
+
+    def segment(self, key: tuple[Any, ...], n: int) -> Any:
+        """Fixed token material for ``key``: ids (form ``ids``) or text of exactly ``n`` tokens."""
+        return self.src.block(key, n) if self.spec.form == "ids" else self.src.text(key, n)
+
+    def session(self, kind: str, sid: int) -> tuple[Turn, ...]:
+        s, rng = self.spec, self.rng
+        if kind == "chat":
+            t = rng.choices(range(s.tenants), weights=self.tenant_weights)[0]
+            prefix = [("system", self.segment(("tenant", t), self.system_len[t]))]
+            return self._dialogue(prefix, sid, self.count(s.chat_turns), s.user_tokens, s.answer_tokens, s.think_s)
+        if kind == "agent":
+            c = rng.choices(range(s.contexts), weights=self.context_weights)[0]
+            shared = self.segment(("agent-system",), self.agent_system_len)
+            context = self.segment(("context", c), self.context_len[c])
+            prefix = [("system", shared), ("user", context)]
+            return self._dialogue(prefix, sid, self.count(s.agent_steps), s.tool_tokens, s.agent_output_tokens,
+                                  s.agent_think_s, first=s.task_tokens)
+        if kind == "rag":
+            t = rng.choices(range(s.tenants), weights=self.tenant_weights)[0]
+            docs = _weighted_sample(rng, s.docs, self.doc_weights, s.docs_per_request)
+            parts = [("system", self.segment(("tenant", t), self.system_len[t]))]
+            parts += [("user", self.segment(("doc", d), self.doc_len[d])) for d in docs]
+            parts.append(("user", self.segment(("question", sid), self.length(s.question_tokens))))
+            return (self._turn(parts, self.length(s.rag_output_tokens)),)
+        parts = [("user", self.segment(("oneoff", sid), self.length(s.oneoff_tokens)))]
+        return (self._turn(parts, self.length(s.oneoff_output_tokens)),)
+
+    def _dialogue(self, prefix: list[tuple[str, Any]], sid: int, n_turns: int, in_tokens: int, out_tokens: int,
+                  think_s: float, first: int | None = None) -> tuple[Turn, ...]:
+        """Turns over a growing history: each turn adds a user (or tool) message and, once
+        answered, the recorded answer; stops before the context passes ``max_context_tokens``."""
+        s, rng = self.spec, self.rng
+        history = list(prefix)
+        turns: list[Turn] = []
+        size = sum(_tokens(m) for _, m in history)
+        for i in range(n_turns):
+            n_in = self.length(first if first is not None and i == 0 else in_tokens)
+            n_out = self.length(out_tokens)
+            if turns and size + n_in + n_out > s.max_context_tokens:
+                break
+            history.append(("user", self.segment(("in", sid, i), n_in)))
+            wait = rng.expovariate(1 / think_s) if turns and think_s > 0 else 0.0
+            turns.append(self._turn(history, n_out, wait))
+            history.append(("assistant", self.segment(("out", sid, i), n_out)))
+            size += n_in + n_out
+        return tuple(turns)
+
+    def _turn(self, parts: list[tuple[str, Any]], max_tokens: int, think_s: float = 0.0) -> Turn:
+        if self.spec.form == "ids":
+            body: dict[str, Any] = {"prompt": [t for _, ids in parts for t in ids]}
+            path = COMPLETIONS
+        else:
+            body = {"messages": _merge_roles(parts)}
+            path = CHAT
+        body.update({"max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0})
+        return Turn(path, body, think_s)
+
+
+def _tokens(segment: Any) -> int:
+    """Tokens of a segment: ids are counted; a text of n tokens has n words (see :meth:`TokenSource.text`)."""
+    return len(segment) if isinstance(segment, list) else segment.count(" ") + 1
+
+
+def _merge_roles(parts: list[tuple[str, Any]]) -> list[dict[str, str]]:
+    """Chat messages from (role, text) parts, consecutive parts of one role joined (chat
+    templates expect user and assistant to alternate)."""
+    out: list[dict[str, str]] = []
+    for role, text in parts:
+        if out and out[-1]["role"] == role:
+            out[-1]["content"] += "\n\n" + text
+        else:
+            out.append({"role": role, "content": text})
+    return out
+
+
 # -- native JSONL ---------------------------------------------------------------------
 
 
@@ -488,6 +780,8 @@ def detect_format(path: str | Path) -> Format:
     p = Path(path)
     if str(path) in ("default", "synthetic") or p.suffix == ".synthetic.json":
         return "synthetic"
+    if str(path) == "mixed" or p.name.endswith(".mixed.json"):
+        return "mixed"
     try:
         with open(p, encoding="utf-8") as fh:
             head = fh.read(4096).lstrip()
@@ -520,6 +814,12 @@ def load(
         return load_sharegpt(path, seed=seed, tokenizer_path=tokenizer_path, max_requests=max_requests, **options)
     if fmt == "synthetic":
         return synthetic(SyntheticSpec.from_file(path), seed=seed, tokenizer_path=tokenizer_path, max_requests=max_requests)
+    if fmt == "mixed":
+        spec = MixedSpec.from_file(path)
+        overrides = options.pop("mix", None)
+        if overrides:
+            spec = MixedSpec.with_overrides(overrides, "--mix", spec)
+        return mixed(spec, seed=seed, tokenizer_path=tokenizer_path, max_requests=max_requests)
     if fmt == "jsonl":
         return load_jsonl(path, max_requests=max_requests)
     raise WorkloadError(f"unknown trace format {fmt!r} (choose from {', '.join(FORMATS)})")

@@ -58,7 +58,7 @@ from router.errors import (
 )
 from router.load import LoadTracker, Ticket, scrape_forever
 from router.policies import make_policy
-from router.policies.base import Candidate, Decision, Policy, PrefixMemory, RequestCtx
+from router.policies.base import Candidate, Decision, Policy, PrefixMemory, ReadsEngineState, RequestCtx
 from router.proxy import ProxyResponse, forwarded_headers
 from router.tokenize import (
     ParityGuard,
@@ -120,10 +120,14 @@ class ModelRuntime:
     """The policy itself when it remembers its decisions by prefix (kv_aware, prefix_approx)."""
     history: HistoryMemo | None = None
     """Block keys of chat histories already tokenized (``router.history_memo``)."""
+    engines: ReadsEngineState | None = None
+    """The policy itself when it reads the engines' exact state (the bench's oracle, simulator only)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.policy, PrefixMemory):
             self.memory = self.policy
+        if isinstance(self.policy, ReadsEngineState):
+            self.engines = self.policy
 
 
 @dataclass(slots=True)
@@ -220,7 +224,7 @@ class Router:
                 config=m,
                 hasher=hasher,
                 hash_cache=HashCache(hasher),
-                policy=make_policy(m.policy or self.settings.policy, config),
+                policy=make_policy(m.policy or self.settings.policy, config, m),
                 guard=ParityGuard(m.name, m.tokenizer_mode, m.parity_sample_rate),
                 remote=RemoteTokenizer(m.name),
                 backends=[b.name for b in m.backends],
@@ -275,6 +279,9 @@ class Router:
         )
         self.pool.open()
         await self.pool.check_all()
+        for rt in self.models.values():
+            if rt.engines is not None:
+                await rt.engines.start()
         self._tasks = [
             asyncio.create_task(self._health_forever()),
             asyncio.create_task(scrape_forever(self.pool, self.loads, self.settings.metrics_scrape_interval_s)),
@@ -294,6 +301,9 @@ class Router:
         if self._unregister_metrics is not None:
             self._unregister_metrics()
         await self.pool.aclose()
+        for rt in self.models.values():
+            if rt.engines is not None:
+                await rt.engines.aclose()
         self.executor.shutdown(wait=False, cancel_futures=True)
         self.background.shutdown(wait=False, cancel_futures=True)
         close = getattr(self.index, "aclose", None)
@@ -393,7 +403,7 @@ class Router:
             raise BadRequest("'cache_salt' must be a string")
         forced_reason = None
         rendered = deferred = chain = None
-        if defer and self.settings.defer_cold_prompts and raw_len >= MIN_CHARS:
+        if defer and self.settings.defer_cold_prompts and rt.engines is None and raw_len >= MIN_CHARS:
             chain = self._chain(rt, body, kind)
             prompt = None
             if chain is not None and self._settling < MAX_SETTLING:
@@ -442,6 +452,8 @@ class Router:
             session_key=_session_key(body, headers, self.settings.session_header),
             events_connected=rt.has_events and self._events_connected(rt),
         )
+        if rt.engines is not None:
+            await rt.engines.observe(ctx, candidates, token_ids, body, kind)
         decision = rt.policy.choose(ctx, candidates)
         if forced_reason is not None:
             decision.reason = forced_reason

@@ -20,7 +20,9 @@ log = logging.getLogger(__name__)
 
 HashAlgo = Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]
 PolicyName = Literal[
-    "round_robin", "random", "least_loaded", "power_of_two", "session", "prefix_approx", "kv_aware"
+    "round_robin", "random", "least_loaded", "power_of_two", "session", "prefix_approx", "kv_aware",
+    # Simulator only (kvrouter bench): they read each engine's exact state (router/policies/oracle.py).
+    "oracle", "kv_aware+exact_load", "kv_aware+exact_cache", "kv_aware+exact",
 ]
 
 

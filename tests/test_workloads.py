@@ -170,3 +170,109 @@ def test_ideal_cached_tokens_counts_prefix_blocks_and_never_the_whole_prompt() -
     assert w.ideal_cached_tokens([a, b], 16) == (32, 128)
     c = [7] * 16 + a[16:]  # first block differs: nothing after it can hit
     assert w.ideal_cached_tokens([a, c], 16) == (0, 128)
+
+
+# -- mixed agentic and multi-tenant traffic --------------------------------------------------
+
+
+def _kind(session: w.Session) -> str:
+    return session.session_id.split("-")[1]
+
+
+def _prompts(wl: w.Workload) -> list[list[int]]:
+    return [t.body["prompt"] for t in wl.turns()]
+
+
+def test_mixed_is_deterministic_per_seed_and_differs_across_seeds() -> None:
+    a, b = w.mixed(seed=1001, max_requests=120), w.mixed(seed=1001, max_requests=120)
+    assert [(s.session_id, s.start_s, s.turns) for s in a.sessions] == [(s.session_id, s.start_s, s.turns) for s in b.sessions]
+    c = w.mixed(seed=1002, max_requests=120)
+    assert [s.start_s for s in c.sessions] != [s.start_s for s in a.sessions]
+    assert not set(map(tuple, _prompts(a))) & set(map(tuple, _prompts(c)))
+    assert a.num_requests == c.num_requests == 120
+
+
+def test_tuning_and_held_out_seeds_are_disjoint_and_named() -> None:
+    assert w.TUNING_SEEDS and w.HELD_OUT_SEEDS and not set(w.TUNING_SEEDS) & set(w.HELD_OUT_SEEDS)
+    assert w.mixed(seed=w.HELD_OUT_SEEDS[0], max_requests=5).name == f"mixed (seed {w.HELD_OUT_SEEDS[0]}, held-out)"
+    assert w.mixed(seed=w.TUNING_SEEDS[0], max_requests=5).name.endswith("tuning)")
+    assert w.seed_set(77) == "other"
+
+
+def test_mixed_request_fractions_follow_the_mix() -> None:
+    wl = w.mixed(seed=3)
+    share = {k: sum(len(s.turns) for s in wl.sessions if _kind(s) == k) / wl.num_requests for k in w.MIXED_KINDS}
+    for kind in w.MIXED_KINDS:
+        assert share[kind] == pytest.approx(getattr(w.MixedSpec(), kind), abs=0.08), share
+    only_agents = w.mixed(w.MixedSpec(chat=0, agent=1, rag=0, oneoff=0), seed=3, max_requests=100)
+    assert {_kind(s) for s in only_agents.sessions} == {"agent"}
+    mostly_rag = w.mixed(w.MixedSpec(rag=0.9, chat=0.1, agent=0, oneoff=0), seed=3, max_requests=200)
+    assert sum(_kind(s) == "rag" for s in mostly_rag.sessions) > 0.8 * len(mostly_rag.sessions)
+
+
+def test_mixed_sessions_grow_and_share_their_prefixes() -> None:
+    wl = w.mixed(seed=5, max_requests=400)
+    for s in wl.sessions:
+        prompts = [t.body["prompt"] for t in s.turns]
+        for before, after in zip(prompts, prompts[1:]):
+            assert after[: len(before)] == before and len(after) > len(before)
+        assert all(t.think_s > 0 for t in s.turns[1:])
+    agents = [s.turns[0].body["prompt"] for s in wl.sessions if _kind(s) == "agent"]
+    # Every agent loop starts with one system prompt; loops over the same context share it too.
+    heads = {tuple(p[:256]) for p in agents}
+    assert len(heads) == 1 and len(agents) > 5
+    contexts = [tuple(p[:4096]) for p in agents]
+    assert len(set(contexts)) < len(contexts)
+    cached, total = w.ideal_cached_tokens(_prompts(wl), 16)
+    assert 0.5 < cached / total < 0.95
+
+
+def test_mixed_knobs_scale_contexts_and_burstiness() -> None:
+    base = w.mixed(w.MixedSpec(chat=0, agent=1, rag=0, oneoff=0), seed=7, max_requests=100)
+    longer = w.mixed(w.MixedSpec(chat=0, agent=1, rag=0, oneoff=0, context_tokens=16384), seed=7, max_requests=100)
+
+    def first_turns(wl: w.Workload) -> float:
+        return sum(len(s.turns[0].body["prompt"]) for s in wl.sessions) / len(wl.sessions)
+
+    assert first_turns(longer) > 1.5 * first_turns(base)
+    small = w.mixed(w.MixedSpec(length_scale=0.25), seed=7, max_requests=200)
+    assert first_turns(small) < 0.35 * first_turns(w.mixed(seed=7, max_requests=200))
+
+    def gaps_cv(spec: w.MixedSpec) -> float:
+        starts = [s.start_s for s in w.mixed(spec, seed=7, max_requests=3000).sessions]
+        gaps = [b - a for a, b in zip(starts, starts[1:])]
+        m = sum(gaps) / len(gaps)
+        return (sum((g - m) ** 2 for g in gaps) / len(gaps)) ** 0.5 / m
+
+    one_turn = {"chat": 0, "agent": 0, "rag": 1, "oneoff": 1, "requests": 3000}
+    poisson = gaps_cv(w.MixedSpec(**one_turn, burst_fraction=0))
+    bursty = gaps_cv(w.MixedSpec(**one_turn, burst_factor=8, burst_fraction=0.2))
+    assert poisson == pytest.approx(1.0, abs=0.1) and bursty > poisson + 0.2
+
+
+def test_mixed_chat_form_sends_the_same_structure_as_messages() -> None:
+    wl = w.mixed(w.MixedSpec(form="chat"), seed=9, max_requests=60)
+    tok = load_tokenizer(str(QWEN3_DIR))
+    for s in wl.sessions:
+        assert all(t.path == w.CHAT for t in s.turns)
+        roles = [m["role"] for m in s.turns[-1].body["messages"]]
+        assert (roles[0] == "system") == (_kind(s) != "oneoff") and all(a != b for a, b in zip(roles, roles[1:]))
+        ids = [w.prompt_ids(t, tok) for t in s.turns]
+        for before, after in zip(ids, ids[1:]):
+            assert len(after) > len(before)
+
+
+def test_mixed_knobs_from_the_command_line_are_parsed_and_checked(tmp_path: Path) -> None:
+    spec = w.MixedSpec.with_overrides({"agent": "0.5", "context_tokens": "16384", "form": "chat"})
+    assert (spec.agent, spec.context_tokens, spec.form) == (0.5, 16384, "chat")
+    with pytest.raises(w.WorkloadError, match="unknown mixed workload keys"):
+        w.MixedSpec.with_overrides({"agnet": "1"})
+    with pytest.raises(w.WorkloadError, match="context_tokens"):
+        w.MixedSpec.with_overrides({"context_tokens": "1.5"})
+    with pytest.raises(w.WorkloadError, match="fractions"):
+        w.MixedSpec.with_overrides({"chat": 0, "agent": 0, "rag": 0, "oneoff": 0})
+    path = tmp_path / "spec.mixed.json"
+    path.write_text(json.dumps({"tenants": 3, "rate": 2.0}))
+    assert w.detect_format(path) == "mixed"
+    wl = w.load(path, seed=1001, max_requests=30, mix={"oneoff": "1", "chat": "0", "agent": "0", "rag": "0"})
+    assert wl.num_requests == 30 and {_kind(s) for s in wl.sessions} == {"oneoff"}

@@ -396,6 +396,11 @@ class BlockManager:
         state = self._reqs.get(request_id)
         return len(state.blocks) if state else 0
 
+    def held_by(self, request_id: str) -> tuple[list[Block], int]:
+        """The blocks ``request_id`` holds, and those promised to it but not yet allocated."""
+        state = self._reqs.get(request_id)
+        return (state.blocks, state.reserved_left) if state else ([], 0)
+
     def reset_prefix_cache(self) -> bool:
         """Reset the GPU pool and, with it, the CPU tier (one ``AllBlocksCleared`` clears every medium)."""
         ok = self.pool.reset_prefix_cache()

@@ -65,6 +65,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fault-drop-events", type=float, default=0.0, help="fraction of event messages to drop")
     p.add_argument("--fault-error-rate", type=float, default=0.0, help="fraction of requests answered 500")
     p.add_argument("--fault-extra-latency", type=float, default=0.0, help="wall seconds added to each request")
+    p.add_argument("--debug-state", action="store_true",
+                   help="serve POST /debug/state: each engine's exact state and predicted TTFT for a prompt, the side "
+                        "channel of kvrouter bench's oracle policy (a real vLLM has none)")
     p.add_argument("--log-level", default="warning")
 
 
@@ -137,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
         extra_latency_s=args.fault_extra_latency,
         seed=args.seed,
         mean_output_tokens=args.mean_output_tokens,
+        debug_state=args.debug_state,
     )
     zmq_host = "*" if args.host in ("0.0.0.0", "::") else args.host
     specs = instance_specs(args.host, zmq_host, args.port, args.kv_events_port, args.replay_port, args.instances)

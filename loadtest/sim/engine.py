@@ -113,6 +113,10 @@ class Engine:
         self.lag = 0.0
         self.steps = 0
         self.busy_engine_s = 0.0
+        self.received = 0
+        """Requests added since start: a client that counts what it sent knows which are in transit."""
+        self.in_step: tuple[list[_Scheduled], float] | None = None
+        """The step being computed (its work and its end, engine time), None between steps."""
         if metrics is not None:
             metrics.bind(lambda: len(self.running), lambda: len(self.waiting), self.bm.pool.usage)
             if self.bm.cpu is not None:
@@ -153,6 +157,7 @@ class Engine:
 
     def add(self, req: SimRequest) -> None:
         req.arrival = self.now()
+        self.received += 1
         self.waiting.append(req)
         self._wake.set()
 
@@ -323,6 +328,7 @@ class Engine:
                 continue
             busy = True
             end = start + duration
+            self.in_step = (scheduled, end)
             delay = self._t0 + end / speedup - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
@@ -333,3 +339,4 @@ class Engine:
             self.steps += 1
             self.busy_engine_s += duration
             self.complete(scheduled, end)
+            self.in_step = None

@@ -54,6 +54,8 @@ class FleetSettings:
     extra_latency_s: float = 0.0
     seed: int = 0
     mean_output_tokens: float = 128.0
+    debug_state: bool = False
+    """Serve ``/debug/state``, the exact-state side channel of the bench's oracle (:mod:`loadtest.sim.state`)."""
 
 
 class _Server(uvicorn.Server):

@@ -62,10 +62,7 @@ class OutputGenerator:
     ) -> PlannedOutput:
         prompt_seed = xxhash.xxh64_intdigest(array("q", prompt_ids).tobytes())
         rng = random.Random(prompt_seed)
-        if ignore_eos or self.eos_token_id is None:
-            natural = max_tokens
-        else:
-            natural = max(1, min_tokens, 1 + int(rng.expovariate(1.0 / self.mean_output_tokens)))
+        natural = self._natural_length(rng, max_tokens, min_tokens, ignore_eos)
         n = min(natural, max_tokens)
         if sample_seed is not None:
             rng = random.Random(prompt_seed ^ sample_seed)
@@ -74,6 +71,16 @@ class OutputGenerator:
             ids[-1] = self.eos_token_id
             return PlannedOutput(ids, "stop")
         return PlannedOutput(ids, "length")
+
+    def planned_length(self, prompt_ids: list[int], max_tokens: int, min_tokens: int = 0, ignore_eos: bool = False) -> int:
+        """``len(plan(...).token_ids)`` without drawing the tokens (the length depends on the prompt only)."""
+        rng = random.Random(xxhash.xxh64_intdigest(array("q", prompt_ids).tobytes()))
+        return min(self._natural_length(rng, max_tokens, min_tokens, ignore_eos), max_tokens)
+
+    def _natural_length(self, rng: random.Random, max_tokens: int, min_tokens: int, ignore_eos: bool) -> int:
+        if ignore_eos or self.eos_token_id is None:
+            return max_tokens
+        return max(1, min_tokens, 1 + int(rng.expovariate(1.0 / self.mean_output_tokens)))
 
     def text(self, token_ids: list[int]) -> str:
         pieces = self.pieces

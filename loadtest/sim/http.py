@@ -12,7 +12,9 @@ loaded from the CPU offload tier, i.e. what vLLM reports with
 Besides vLLM's endpoints: ``GET /debug/cache`` (the 64-bit hashes of every block
 cached on the GPU, and in ``cpu_block_hashes_int64`` those the CPU offload tier
 holds, each sorted: ground truth for index tests) and ``GET``/``POST /debug/fault``
-(:mod:`loadtest.sim.faults`).
+(:mod:`loadtest.sim.faults`). With ``--debug-state``, ``GET /debug/state`` (what the engine
+has received) and ``POST /debug/state`` (its exact state and predicted TTFT for a prompt:
+:mod:`loadtest.sim.state`), the bench-only side channel of the oracle policy.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from pydantic import ValidationError
 from indexer.hashing import to_int64
 from loadtest.sim.engine import FINISHED, EngineDead, SimRequest
 from loadtest.sim.faults import FaultUpdate
+from loadtest.sim.state import Prompt, PromptHashes, snapshot
 from router.tokenize import TokenizeError
 
 if TYPE_CHECKING:
@@ -264,6 +267,52 @@ def create_app(inst: Instance) -> FastAPI:
         if "down_s" in body:
             inst.schedule_kill(update.down_s)
         return inst.faults.state()
+
+    # -- the oracle's side channel (bench only) -------------------------------------------
+
+    if inst.settings.debug_state:
+        hashes = PromptHashes(inst.hasher)
+
+        def state_prompt(spec: Any) -> Prompt:
+            """``{"request": OpenAI body, "kind": "chat" | "completion", "token_ids": [...]}``: the
+            prompt's ids, else the body's prompt or messages tokenized; sampling fields from the body."""
+            if not isinstance(spec, dict) or not isinstance(spec.get("request"), dict):
+                raise ApiError(400, 'a prompt is {"request": OpenAI body, "kind": ..., "token_ids": [int, ...]}')
+            req = spec["request"]
+            chat = spec.get("kind", "chat" if "messages" in req else "completion") == "chat"
+            ids = spec.get("token_ids")
+            if ids is None:
+                ids = prompts_of(req, chat)[0]
+            elif not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise ApiError(400, "token_ids must be a list of integers", "token_ids")
+            if not ids:
+                raise ApiError(400, "empty prompt", "token_ids")
+            max_tokens = _int_field(req, "max_completion_tokens", None, 1) if chat else None
+            if max_tokens is None:
+                max_tokens = _int_field(req, "max_tokens", None if chat else 16, 1)
+            room = max(1, max_model_len - len(ids))
+            limit = room if max_tokens is None else max(1, min(max_tokens, room))
+            min_tokens = min(_int_field(req, "min_tokens", 0, 0) or 0, limit)
+            n_out = inst.generator.planned_length(ids, limit, min_tokens, _bool_field(req, "ignore_eos", False))
+            salt = req.get("cache_salt")
+            return Prompt(len(ids), hashes.of(ids, salt if isinstance(salt, str) else None), n_out)
+
+        @app.get("/debug/state")
+        async def state_info() -> dict[str, Any]:
+            return {"side_channel": "kvrouter-sim", "received": inst.engine.received,
+                    "block_size": inst.config.block_size}
+
+        @app.post("/debug/state")
+        async def state(request: Request) -> dict[str, Any]:
+            """``{"prompt": PROMPT, "ahead": [{"n": k, "prompt": PROMPT}, ...]}`` (``ahead``: the
+            client's k-th request to this engine, for those it may not have received yet)."""
+            body = await _body(request)
+            ahead = body.get("ahead") or []
+            if not isinstance(ahead, list) or not all(isinstance(a, dict) and isinstance(a.get("n"), int) for a in ahead):
+                raise ApiError(400, "ahead must be a list of {n, prompt}", "ahead")
+            engine = inst.engine
+            queued = [state_prompt(a.get("prompt")) for a in ahead if a["n"] > engine.received]
+            return snapshot(engine, state_prompt(body.get("prompt")), queued)
 
     # -- generation ---------------------------------------------------------------------
 

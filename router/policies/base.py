@@ -17,7 +17,7 @@ from __future__ import annotations
 import random
 import sys
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from router.load import BackendLoad
 
@@ -82,6 +82,21 @@ class PrefixMemory(Protocol):
     def remember(self, keys: list[int], backend: str) -> None: ...
 
     def remembers(self, keys: list[int]) -> bool: ...
+
+
+@runtime_checkable
+class ReadsEngineState(Protocol):
+    """What a policy that reads every engine's exact state adds (the bench's ``oracle`` and
+    ``kv_aware+exact*``, simulator only: :mod:`router.policies.engine_state`). ``start``
+    fails when a backend does not serve the simulator's side channel; ``observe`` asks the
+    engines about the request just before ``choose`` (``token_ids`` may be empty)."""
+
+    async def start(self) -> None: ...
+
+    async def observe(self, ctx: RequestCtx, candidates: list[Candidate], token_ids: list[int],
+                      body: dict[str, Any], kind: str) -> None: ...
+
+    async def aclose(self) -> None: ...
 
 
 def healthy(candidates: list[Candidate]) -> list[Candidate]:

@@ -73,7 +73,7 @@ class KvAware:
         bs = ctx.block_size
         n_blocks = -(-n // bs)
         cap = (n - 1) // bs if n > 0 else 0
-        spec = self.speculative.match(ctx.keys) if len(self.speculative) else {}
+        spec = self._speculative_hits(ctx)
         for c in candidates:
             s = spec.get(c.backend, 0)
             c.speculative_blocks = s
@@ -97,6 +97,10 @@ class KvAware:
 
     def commit(self, ctx: RequestCtx, decision: Decision) -> None:
         self.remember(ctx.keys, decision.backend)
+
+    def _speculative_hits(self, ctx: RequestCtx) -> dict[str, int]:
+        """``spec(b)``: leading blocks of the request the router sent to each backend lately."""
+        return self.speculative.match(ctx.keys) if len(self.speculative) else {}
 
     def remember(self, keys: list[int], backend: str) -> None:
         """Speculative insertion (also of a deferred request's keys once they are known)."""

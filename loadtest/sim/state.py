@@ -1,0 +1,431 @@
+"""An engine's exact state at decision time: the bench's side channel for the oracle policy.
+
+A router knows an engine through KV events that trail the step that caused them and
+through its own count of what it sent. The bench's ``oracle`` policy and the
+``kv_aware+exact_*`` ablations (:mod:`router.policies.oracle`) instead ask every engine,
+for the prompt being routed, what the simulator knows exactly. Served only with
+``kvrouter sim --debug-state`` (``POST /debug/state``), which the bench passes for
+those policies and nothing else does: a real vLLM has no such endpoint, so those
+policies refuse to start against one.
+
+:func:`snapshot` answers, for one prompt:
+
+* ``predicted_ttft_s``: engine seconds from now to the prompt's first token here,
+  found by running the engine's own scheduler (:mod:`loadtest.sim.engine`) and latency
+  model forward from its current state: the step being computed, the running batch,
+  the waiting queue, the KV pool and its cached blocks, the prompt appended to the
+  queue, nothing else arriving.
+* ``cached_blocks``: the prompt's leading blocks the engine holds now, on the GPU and
+  then in the CPU tier (what a perfectly fresh index would say).
+* ``queued_blocks``: its leading blocks that a request already on the engine (running,
+  or waiting) will hold once scheduled: the exact form of kv_aware's speculative hits.
+* ``load``: the engine's queue in the router's terms (:class:`router.load.BackendLoad`).
+
+``ahead`` are prompts the client sent to this engine that it has not received yet (the
+HTTP layer picks them by their ordinal against the engine's count of arrivals): they
+join the queue before the prompt, so two decisions a few milliseconds apart do not both
+see an empty engine.
+
+The forward run works on counts, not on the pool's blocks, and reads the engine
+without changing it. Where it is not exact:
+
+* a cached free block counts as evicted once the run has allocated past its place in
+  the engine's LRU free queue (blocks freed in the run join its tail and are never
+  reached); a block the run cached twice (vLLM keeps duplicates) counts once;
+* only prompt blocks are looked up (workload histories carry recorded answers, never
+  the generated tokens); the CPU tier is read, never updated;
+* a stretch of decode-only steps in which nothing can be admitted is computed in one go
+  (same result as stepping it).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from itertools import islice
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    from loadtest.sim.block_manager import Block, BlockPool, CpuOffloadTier
+    from loadtest.sim.engine import Engine, SimRequest
+
+MAX_STEPS = 100_000
+"""Forward steps before the run gives up (the prompt then never starts: ``None``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """A prompt the forward run queues: its length, its prompt block hashes, its planned output."""
+
+    prompt_len: int
+    hashes: Sequence[bytes]
+    output_len: int
+
+
+class PromptHashes:
+    """Prompt block hashes by token ids, remembered for the last few prompts.
+
+    Every engine of a fleet is asked about the same prompt within milliseconds, and the
+    engines of one ``kvrouter sim`` process share a hasher: one hashing serves them all.
+    """
+
+    SIZE = 64
+    _memo: ClassVar[OrderedDict[tuple[int, str | None, tuple[int, ...]], list[bytes]]] = OrderedDict()
+
+    def __init__(self, hasher: Any) -> None:
+        self.hasher = hasher
+
+    def of(self, ids: list[int], cache_salt: str | None) -> list[bytes]:
+        key = (id(self.hasher), cache_salt, tuple(ids))
+        memo = self._memo
+        found = memo.get(key)
+        if found is None:
+            found = memo[key] = self.hasher.hash_blocks(ids, cache_salt=cache_salt)
+            if len(memo) > self.SIZE:
+                memo.popitem(last=False)
+        return found
+
+
+@dataclass(slots=True)
+class _Seq:
+    prompt_len: int
+    hashes: Sequence[bytes]
+    output_len: int
+    computed: int = 0
+    outputs: int = 0
+    blocks: int = 0
+    reserved_left: int = 0
+    cached_upto: int = 0
+    target: bool = False
+    held: list[Block] = field(default_factory=list)
+    """The real blocks it holds (a request already running on the engine)."""
+    real_hits: list[int] = field(default_factory=list)
+    """Real blocks its admission in the run found cached."""
+    keys: list[bytes] = field(default_factory=list)
+    """Hashes of blocks the run cached that it holds (found at admission, or its own)."""
+    plain: int = 0
+    """Blocks the run allocated to it that no other request can share."""
+
+    @property
+    def prefilling(self) -> bool:
+        return self.computed < self.prompt_len
+
+
+def snapshot(engine: Engine, prompt: Prompt, ahead: list[Prompt]) -> dict[str, Any]:
+    """The side channel's answer for ``prompt`` on ``engine``, ``ahead`` the prompts sent to it
+    that it has not received yet (see the module docstring)."""
+    bs = engine.config.block_size
+    now = engine.now()
+    running = [_running_seq(engine, r) for r in engine.running if not r.done]
+    waiting = [_Seq(r.prompt_len, r.cache.block_hashes[: r.prompt_len // bs], len(r.planned.token_ids))
+               for r in engine.waiting if not r.done]
+    waiting += [_Seq(p.prompt_len, p.hashes, p.output_len) for p in ahead]
+    run = _ForwardRun(engine)
+    start = now
+    if engine.in_step is not None:
+        scheduled, start = engine.in_step
+        run.finish_step(running, {id(item.req): item.num_new_tokens for item in scheduled},
+                        [r for r in engine.running if not r.done])
+    for s in running:
+        s.cached_upto = min(s.computed, s.prompt_len) // bs
+    gpu, cpu = cached_prefix(engine.bm.pool, engine.bm.cpu, prompt.hashes, len(prompt.hashes))
+    queued = max((_common_prefix(s.hashes, prompt.hashes) for s in (*running, *waiting)), default=0)
+    load = _load(engine, running, waiting)
+    target = _Seq(prompt.prompt_len, prompt.hashes, prompt.output_len, target=True)
+    first = run.first_token_at(start, running, deque([*waiting, target]))
+    return {
+        "engine_time_s": now,
+        "received": engine.received,
+        "predicted_ttft_s": None if first is None else max(0.0, first - now),
+        "cached_blocks": {"gpu": gpu, "cpu": cpu},
+        "queued_blocks": queued,
+        "load": load,
+    }
+
+
+def cached_prefix(pool: BlockPool, cpu: CpuOffloadTier | None, hashes: Sequence[bytes], limit: int) -> tuple[int, int]:
+    """Leading blocks of ``hashes[:limit]`` cached on the GPU, then those the CPU tier continues with."""
+    gpu = 0
+    for h in islice(hashes, limit):
+        if pool.get_cached_block(h) is None:
+            break
+        gpu += 1
+    return gpu, cpu.lookup(hashes[gpu:limit]) if cpu is not None else 0
+
+
+def _running_seq(engine: Engine, r: SimRequest) -> _Seq:
+    bs = engine.config.block_size
+    held, reserved = engine.bm.held_by(r.cache.request_id)
+    return _Seq(r.prompt_len, r.cache.block_hashes[: r.prompt_len // bs], len(r.planned.token_ids),
+                computed=r.num_computed_tokens, outputs=r.num_output, blocks=len(held), reserved_left=reserved,
+                held=held)
+
+
+def _common_prefix(a: Sequence[bytes], b: Sequence[bytes]) -> int:
+    """Leading blocks two prompts share (hashes chain, so equal at i means equal before i)."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _load(engine: Engine, running: list[_Seq], waiting: list[_Seq]) -> dict[str, int]:
+    """The queue in :class:`router.load.BackendLoad`'s terms, exact: uncached prompt tokens not
+    yet computed, unique KV blocks held or about to be, prompt blocks per request."""
+    bs = engine.config.block_size
+    pool, cpu = engine.bm.pool, engine.bm.cpu
+    prefill = sum(s.prompt_len - s.computed for s in running if s.prefilling)
+    held = pool.num_blocks - 1 - pool.num_free_blocks
+    for s in waiting:
+        gpu, loaded = cached_prefix(pool, cpu, s.hashes, (s.prompt_len - 1) // bs)
+        prefill += s.prompt_len - (gpu + loaded) * bs
+        held += -(-s.prompt_len // bs) - gpu
+    return {
+        "in_flight": len(running) + len(waiting),
+        "prefill_tokens": prefill,
+        "decode_seqs": sum(1 for s in running if not s.prefilling),
+        "active_blocks": held,
+        "context_blocks": sum(-(-s.prompt_len // bs) for s in (*running, *waiting)),
+    }
+
+
+@dataclass(slots=True)
+class _Hit:
+    blocks: int = 0
+    loaded: int = 0
+    real: list[Block] = field(default_factory=list)
+    keys: list[bytes] = field(default_factory=list)
+    free: int = 0
+    """Hit blocks no request holds: admission takes them out of the free queue."""
+
+
+class _ForwardRun:
+    """The engine's scheduler (:meth:`loadtest.sim.engine.Engine.schedule`) replayed on counts.
+
+    Free blocks are counted like the pool counts them, by reference: a real block's count
+    is the engine's, less the run's finished holders, plus the run's admissions that hit
+    it; a block the run caches is counted by hash.
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        cfg = engine.config
+        self.bs = cfg.block_size
+        self.budget = cfg.max_num_batched_tokens
+        self.max_seqs = cfg.max_num_seqs
+        self.latency = cfg.latency
+        self.pool = engine.bm.pool
+        self.cpu = engine.bm.cpu
+        self.free = self.pool.num_free_blocks
+        self.reserved = engine.bm.reserved
+        self.allocs = 0
+        self.refs: dict[int, int] = {}
+        """Real blocks whose count the run changed: block id -> change."""
+        self.future: dict[bytes, int] = {}
+        """Prompt blocks the run cached (as the engine caches them, when scheduled) -> holders."""
+        self.taken: set[int] = set()
+        """Blocks of the engine's free queue an admission in the run took out of it."""
+        self._lru = iter(self.pool.free)
+        self._evicted: set[int] = set()
+
+    # -- the pool, in counts ----------------------------------------------------------------
+
+    def _ref_cnt(self, block: Block) -> int:
+        return block.ref_cnt + self.refs.get(block.block_id, 0)
+
+    def _unref(self, block: Block) -> None:
+        bid = block.block_id
+        self.refs[bid] = self.refs.get(bid, 0) - 1
+        if self._ref_cnt(block) == 0:
+            self.free += 1
+
+    def _is_evicted(self, block: Block) -> bool:
+        """Whether the run's allocations have reached ``block`` in the engine's LRU free queue
+        (a block freed in the run joins the queue's tail: never reached in time)."""
+        if block.ref_cnt > 0:
+            return False
+        while len(self._evicted) < self.allocs:
+            bid = next(self._lru, None)
+            if bid is None:
+                break
+            if bid not in self.taken:
+                self._evicted.add(bid)
+        return block.block_id in self._evicted
+
+    def _lookup(self, s: _Seq) -> _Hit:
+        """What admitting ``s`` now would find: its leading cached blocks, and which are free."""
+        limit = (s.prompt_len - 1) // self.bs
+        hit = _Hit()
+        for h in islice(s.hashes, limit):
+            holders = self.future.get(h)
+            if holders is not None:
+                hit.keys.append(h)
+                hit.free += holders == 0
+            else:
+                block = self.pool.get_cached_block(h)
+                if block is None or block.block_id in self._evicted or self._is_evicted(block):
+                    break
+                hit.real.append(block)
+                hit.free += self._ref_cnt(block) == 0
+            hit.blocks += 1
+        hit.loaded = self.cpu.lookup(s.hashes[hit.blocks : limit]) if self.cpu is not None else 0
+        return hit
+
+    def _lifetime(self, s: _Seq, hit: _Hit) -> int:
+        return -(-(s.prompt_len + s.output_len) // self.bs) - hit.blocks
+
+    def _fits(self, s: _Seq, hit: _Hit) -> bool:
+        """:meth:`BlockManager.can_admit`."""
+        return self._lifetime(s, hit) <= self.free - hit.free - self.reserved
+
+    def _admit(self, s: _Seq, num_running: int) -> int | None:
+        """Admit ``s`` if the engine would (returns its CPU-loaded blocks), else None."""
+        if num_running >= self.max_seqs:
+            return None
+        hit = self._lookup(s)
+        if not self._fits(s, hit):
+            return None
+        lifetime = self._lifetime(s, hit)
+        for block in hit.real:
+            if block.ref_cnt == 0:
+                self.taken.add(block.block_id)
+            self.refs[block.block_id] = self.refs.get(block.block_id, 0) + 1
+        for h in hit.keys:
+            self.future[h] += 1
+        self.free -= hit.free
+        self.reserved += lifetime
+        s.reserved_left = lifetime
+        s.real_hits = [b.block_id for b in hit.real]
+        s.keys = hit.keys
+        s.blocks = s.cached_upto = hit.blocks
+        s.computed = (hit.blocks + hit.loaded) * self.bs
+        return hit.loaded
+
+    def _allocate(self, s: _Seq, n: int) -> None:
+        need = -(-(s.computed + n) // self.bs)
+        new = need - s.blocks
+        if new > 0:
+            self.free -= new
+            self.allocs += new
+            used = min(new, s.reserved_left)
+            s.reserved_left -= used
+            self.reserved -= used
+            s.blocks = need
+            s.plain += new
+        full = min(s.computed + n, s.prompt_len) // self.bs
+        if full > s.cached_upto:
+            future = self.future
+            for h in s.hashes[s.cached_upto : full]:
+                if h not in future:
+                    future[h] = 1
+                    s.keys.append(h)
+                    s.plain -= 1
+            s.cached_upto = full
+
+    def _finish(self, s: _Seq, running: list[_Seq]) -> None:
+        running.remove(s)
+        self.reserved -= s.reserved_left
+        self.free += s.plain
+        for block in s.held:
+            self._unref(block)
+        for bid in s.real_hits:
+            self._unref(self.pool.blocks[bid])
+        future = self.future
+        for h in s.keys:
+            future[h] -= 1
+            if future[h] == 0:
+                self.free += 1
+
+    def finish_step(self, running: list[_Seq], work: dict[int, int], reqs: list[SimRequest]) -> None:
+        """Apply the step being computed (``work``: tokens per request id) to ``running``."""
+        for s, r in zip(list(running), reqs):
+            n = work.get(id(r))
+            if not n:
+                continue
+            s.computed += n
+            if not s.prefilling:
+                s.outputs += 1
+                if s.outputs >= s.output_len:
+                    self._finish(s, running)
+
+    # -- steps ------------------------------------------------------------------------------
+
+    def first_token_at(self, t: float, running: list[_Seq], waiting: deque[_Seq]) -> float | None:
+        """Engine time of the target's first token, stepping from ``t``; None if it never starts."""
+        for _ in range(MAX_STEPS):
+            if self._stalled(running, waiting):
+                t += self._jump(running)
+                continue
+            budget = self.budget
+            prefill = decode = kv = loaded_total = 0
+            work: list[tuple[_Seq, int]] = []
+            for s in running:
+                if budget <= 0:
+                    break
+                if s.prefilling:
+                    n = min(s.prompt_len - s.computed, budget)
+                    prefill += n
+                else:
+                    n = 1
+                    decode += 1
+                self._allocate(s, n)
+                kv += s.blocks
+                budget -= n
+                work.append((s, n))
+            while waiting and budget > 0:
+                s = waiting[0]
+                loaded = self._admit(s, len(running))
+                if loaded is None:
+                    break
+                waiting.popleft()
+                n = min(s.prompt_len - s.computed, budget)
+                self._allocate(s, n)
+                kv += s.blocks
+                budget -= n
+                prefill += n
+                loaded_total += loaded
+                running.append(s)
+                work.append((s, n))
+            if not work:
+                return None
+            t += self.latency.step_time(prefill, decode, kv, loaded_total)
+            for s, n in work:
+                s.computed += n
+                if s.prefilling:
+                    continue
+                if s.target:
+                    return t
+                s.outputs += 1
+                if s.outputs >= s.output_len:
+                    self._finish(s, running)
+        return None
+
+    def _stalled(self, running: list[_Seq], waiting: deque[_Seq]) -> bool:
+        """Only decoding requests run and the queue's head cannot be admitted: nothing but
+        decode steps until one finishes."""
+        if not running or not waiting or any(s.prefilling for s in running):
+            return False
+        return len(running) >= self.max_seqs or not self._fits(waiting[0], self._lookup(waiting[0]))
+
+    def _jump(self, running: list[_Seq]) -> float:
+        """Every running request decodes until the first of them finishes; returns the time taken."""
+        k = max(1, min(s.output_len - s.outputs for s in running))
+        lat, bs = self.latency, self.bs
+        # Step j reads ceil((computed + j) / bs) blocks of each request: summed in closed form.
+        reads = sum(_ceil_sum(s.computed + k, bs) - _ceil_sum(s.computed, bs) for s in running)
+        took = k * lat.step_time(0, len(running), 0) + lat.kv_read_s_per_block * reads
+        for s in list(running):
+            self._allocate(s, k)
+            s.computed += k
+            s.outputs += k
+            if s.outputs >= s.output_len:
+                self._finish(s, running)
+        return took
+
+
+def _ceil_sum(x: int, bs: int) -> int:
+    """``sum(ceil(m / bs) for m in 1..x)``."""
+    q, r = divmod(x, bs)
+    return bs * q * (q + 1) // 2 + r * (q + 1)

@@ -1,0 +1,170 @@
+"""The simulator's side channel: every engine's exact state at decision time (bench only).
+
+A router knows its engines through KV events, which trail the step that caused them,
+and through its own count of what it sent; it cannot see a queue another client filled
+or a block the engine just evicted. To measure how much routing that costs, ``kvrouter
+sim --debug-state`` answers ``POST /debug/state`` (:mod:`loadtest.sim.state`): for the
+prompt being routed, the engine's exact cached prefix, its queue in
+:class:`router.load.BackendLoad`'s terms, and the TTFT its own scheduler and latency
+model predict for the prompt. :class:`SideChannel` is the client the bench's ``oracle``
+and ``kv_aware+exact*`` policies (:mod:`router.policies.oracle`) ask it through.
+
+Those policies exist to measure routing in the simulator, never to route real engines:
+:meth:`SideChannel.start` checks that every backend serves the channel and refuses to
+start otherwise, naming the backend.
+
+Requests in transit: the channel counts the requests this router sent to each engine
+and keeps the last few prompts; each question carries those the engine may not have
+received yet (it counts what it received), so two decisions a few milliseconds apart
+see each other, as they do in the router's own load accounting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import msgspec
+
+from router.load import BackendLoad
+
+log = logging.getLogger(__name__)
+
+STATE_PATH = "/debug/state"
+AHEAD_KEPT = 16
+"""Prompts kept per engine for the in-transit list (more than ever travel at once on loopback)."""
+_PROMPT_FIELDS = ("prompt", "messages")
+_encoder = msgspec.json.Encoder()
+
+
+class SideChannelMissing(RuntimeError):
+    """A backend does not serve the simulator's side channel (a real engine, or a sim without --debug-state)."""
+
+
+class EngineLoad(BackendLoad):
+    """A backend's load as the engine itself knows it, in :class:`BackendLoad`'s shape."""
+
+    __slots__ = ("_active_blocks",)
+
+    def __init__(self, name: str, load: dict[str, int]) -> None:
+        super().__init__(name)
+        self.in_flight = load["in_flight"]
+        self.prefill_tokens = load["prefill_tokens"]
+        self.decode_seqs = load["decode_seqs"]
+        self.context_blocks = load["context_blocks"]
+        self._active_blocks = load["active_blocks"]
+
+    @property
+    def active_blocks(self) -> int:
+        return self._active_blocks
+
+    def snapshot(self) -> dict[str, float | int | None]:
+        return {**super().snapshot(), "active_blocks": self._active_blocks}
+
+
+@dataclass(frozen=True, slots=True)
+class EngineState:
+    """One engine's answer for one prompt (see :mod:`loadtest.sim.state`)."""
+
+    predicted_ttft_s: float | None
+    """None: the engine could never start the prompt (it does not fit its KV pool)."""
+    gpu_blocks: int
+    cpu_blocks: int
+    queued_blocks: int
+    load: EngineLoad
+
+    @classmethod
+    def parse(cls, name: str, d: dict[str, Any]) -> EngineState:
+        cached = d["cached_blocks"]
+        return cls(d["predicted_ttft_s"], cached["gpu"], cached["cpu"], d["queued_blocks"], EngineLoad(name, d["load"]))
+
+
+class SideChannel:
+    """Asks every backend of one model for its exact state (``POST /debug/state``)."""
+
+    def __init__(self, backends: dict[str, str], timeout_s: float = 10.0) -> None:
+        self.urls = backends
+        self.timeout_s = timeout_s
+        self.session: aiohttp.ClientSession | None = None
+        self._sent = dict.fromkeys(backends, 0)
+        self._received = dict.fromkeys(backends, 0)
+        self._recent: dict[str, deque[tuple[int, bytes]]] = {b: deque(maxlen=AHEAD_KEPT) for b in backends}
+        self._prompts: OrderedDict[int, bytes] = OrderedDict()
+        """Each decision's prompt as sent to the engines, by its key, until it is sent (bounded:
+        ``/debug/route`` decides without sending)."""
+
+    async def start(self, policy: str) -> None:
+        """Open the session and check that every backend serves the channel."""
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=64, keepalive_timeout=30.0),
+            timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+        )
+        for name, url in self.urls.items():
+            why = None
+            try:
+                async with self.session.get(url + STATE_PATH) as r:
+                    body = await r.json(content_type=None) if r.status == 200 else None
+                    if not isinstance(body, dict) or body.get("side_channel") != "kvrouter-sim":
+                        why = f"answered {r.status} to GET {STATE_PATH}"
+                    else:
+                        self._received[name] = int(body.get("received", 0))
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+                why = f"cannot be asked ({e!r})"
+            if why is not None:
+                await self.aclose()
+                raise SideChannelMissing(
+                    f"policy {policy} reads each engine's exact state and runs only against simulated engines "
+                    f"started with `kvrouter sim --debug-state` (kvrouter bench does this); backend {name} ({url}) {why}"
+                )
+
+    async def aclose(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+            self.session = None
+
+    async def ask(self, key: int, token_ids: list[int], body: dict[str, Any], kind: str) -> dict[str, EngineState | None]:
+        """Every backend's state for this prompt (None where it could not answer). ``key``
+        names the decision for :meth:`sent`; ``token_ids`` may be empty (the engine then
+        tokenizes ``body`` itself)."""
+        if token_ids:
+            request = {k: v for k, v in body.items() if k not in _PROMPT_FIELDS}
+            prompt = _encoder.encode({"request": request, "kind": kind, "token_ids": token_ids})
+        else:
+            prompt = _encoder.encode({"request": body, "kind": kind})
+        self._prompts[key] = prompt
+        if len(self._prompts) > 4 * AHEAD_KEPT:
+            self._prompts.popitem(last=False)
+        names = list(self.urls)
+        answers = await asyncio.gather(*(self._ask(name, prompt) for name in names))
+        return dict(zip(names, answers))
+
+    def sent(self, key: int, backend: str) -> None:
+        """The decision ``key`` is being sent to ``backend``: in transit until the engine counts it."""
+        if backend not in self._sent:
+            return
+        self._sent[backend] += 1
+        prompt = self._prompts.get(key)
+        if prompt is not None:
+            self._recent[backend].append((self._sent[backend], prompt))
+
+    async def _ask(self, name: str, prompt: bytes) -> EngineState | None:
+        assert self.session is not None, "SideChannel.start() was not called"
+        received = self._received[name]
+        ahead = [b'{"n":%d,"prompt":%b}' % (n, p) for n, p in self._recent[name] if n > received]
+        payload = b'{"prompt":%b,"ahead":[%b]}' % (prompt, b",".join(ahead))
+        try:
+            async with self.session.post(self.urls[name] + STATE_PATH, data=payload,
+                                         headers={"content-type": "application/json"}) as r:
+                if r.status != 200:
+                    log.warning("engine state of %s: HTTP %d %s", name, r.status, (await r.text())[:200])
+                    return None
+                d = await r.json(content_type=None)
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+            log.warning("engine state of %s: %r", name, e)
+            return None
+        self._received[name] = max(received, int(d["received"]))
+        return EngineState.parse(name, d)
