@@ -130,7 +130,8 @@ def _ask(url: str, ids: list[int], ahead: list[tuple[int, list[int]]] = (), max_
     body = {"prompt": prompt(ids), "ahead": [{"n": n, "prompt": prompt(p)} for n, p in ahead]}
     r = httpx.post(url + "/debug/state", json=body, timeout=30)
     assert r.status_code == 200, r.text
-    return r.json()
+    (answer,) = r.json()["engines"]
+    return answer
 
 
 def test_the_side_channel_is_served_only_with_debug_state(sim_fleet) -> None:
@@ -138,7 +139,7 @@ def test_the_side_channel_is_served_only_with_debug_state(sim_fleet) -> None:
     assert httpx.get(plain.http() + "/debug/state").status_code == 404
     sim = sim_fleet("--debug-state")
     info = httpx.get(sim.http() + "/debug/state").json()
-    assert info == {"side_channel": "kvrouter-sim", "received": 0, "block_size": 16}
+    assert info["side_channel"] == "kvrouter-sim" and info["received"] == 0 and info["index"] == 0
     ids = list(range(1000, 3000))
     answer = _ask(sim.http(), ids)
     assert answer["received"] == 0 and answer["predicted_ttft_s"] > 0
@@ -154,6 +155,20 @@ def test_the_side_channel_is_served_only_with_debug_state(sim_fleet) -> None:
     after = _ask(sim.http(), ids + list(range(200, 264)))
     assert after["received"] == 1 and after["cached_blocks"]["gpu"] == len(ids) // 16
     assert after["predicted_ttft_s"] < answer["predicted_ttft_s"] / 3
+
+
+def test_one_request_asks_every_engine_of_a_process(sim_fleet) -> None:
+    sim = sim_fleet("--debug-state", instances=2)
+    infos = [httpx.get(sim.http(i) + "/debug/state").json() for i in range(2)]
+    assert infos[0]["process"] == infos[1]["process"] and [i["index"] for i in infos] == [0, 1]
+    ids = list(range(1000, 2000))
+    r = httpx.post(sim.http(1) + "/v1/completions", json={"model": MODEL, "prompt": ids, "max_tokens": 1}, timeout=30)
+    assert r.status_code == 200
+    prompt = {"request": {"max_tokens": 4}, "kind": "completion", "token_ids": ids + [7] * 32}
+    body = {"prompt": prompt, "engines": [{"index": 1, "ahead": []}, {"index": 0, "ahead": []}, {"index": 5, "ahead": []}]}
+    one, zero, missing = httpx.post(sim.http(0) + "/debug/state", json=body, timeout=30).json()["engines"]
+    assert (one["received"], zero["received"], missing) == (1, 0, None)
+    assert one["cached_blocks"]["gpu"] == len(ids) // 16 and zero["cached_blocks"]["gpu"] == 0
 
 
 # -- the policies in a real router ---------------------------------------------------------------

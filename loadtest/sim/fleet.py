@@ -14,6 +14,7 @@ import contextlib
 import logging
 import random
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -87,6 +88,10 @@ class Instance:
         self._tasks: list[asyncio.Task[None]] = []
         self._server: _Server | None = None
         self._kill_task: asyncio.Task[None] | None = None
+        self.peers: dict[int, Instance] = {spec.index: self}
+        """Every engine of this process by index (the side channel answers for all of them at once)."""
+        self.process_id = ""
+        """Names this process to side-channel clients, so they can ask its engines in one request."""
         self.app = create_app(self)
 
     async def start(self) -> None:
@@ -174,6 +179,10 @@ async def run_fleet(specs: list[InstanceSpec], settings: FleetSettings, tokenize
     generator = OutputGenerator(tokenizer, settings.mean_output_tokens)
     zctx = zmq.asyncio.Context()
     fleet = [Instance(spec, settings, tokenizer, generator, hasher, zctx) for spec in specs]
+    peers = {inst.spec.index: inst for inst in fleet}
+    process_id = uuid.uuid4().hex
+    for inst in fleet:
+        inst.peers, inst.process_id = peers, process_id
     try:
         for inst in fleet:
             await inst.start()

@@ -300,19 +300,36 @@ def create_app(inst: Instance) -> FastAPI:
         @app.get("/debug/state")
         async def state_info() -> dict[str, Any]:
             return {"side_channel": "kvrouter-sim", "received": inst.engine.received,
-                    "block_size": inst.config.block_size}
+                    "block_size": inst.config.block_size, "process": inst.process_id, "index": inst.spec.index}
 
         @app.post("/debug/state")
-        async def state(request: Request) -> dict[str, Any]:
-            """``{"prompt": PROMPT, "ahead": [{"n": k, "prompt": PROMPT}, ...]}`` (``ahead``: the
-            client's k-th request to this engine, for those it may not have received yet)."""
+        async def state(request: Request) -> Response:
+            """``{"prompt": PROMPT, "engines": [{"index": i, "ahead": [{"n": k, "prompt": PROMPT}, ...]}]}``:
+            the state of every listed engine of this process at one instant (``engines`` left out:
+            this one, with a top-level ``ahead``). ``ahead`` are the client's k-th requests to
+            that engine, for those it may not have received yet. Answers ``{"engines": [...]}``
+            in the same order, null for an engine that is down."""
             body = await _body(request)
-            ahead = body.get("ahead") or []
-            if not isinstance(ahead, list) or not all(isinstance(a, dict) and isinstance(a.get("n"), int) for a in ahead):
-                raise ApiError(400, "ahead must be a list of {n, prompt}", "ahead")
-            engine = inst.engine
-            queued = [state_prompt(a.get("prompt")) for a in ahead if a["n"] > engine.received]
-            return snapshot(engine, state_prompt(body.get("prompt")), queued)
+            asks = body.get("engines")
+            if asks is None:
+                asks = [{"index": inst.spec.index, "ahead": body.get("ahead") or []}]
+            if not isinstance(asks, list) or not all(
+                isinstance(a, dict) and isinstance(a.get("index"), int) and isinstance(a.get("ahead", []), list)
+                and all(isinstance(x, dict) and isinstance(x.get("n"), int) for x in a.get("ahead", []))
+                for a in asks
+            ):
+                raise ApiError(400, "engines must be a list of {index, ahead: [{n, prompt}]}", "engines")
+            prompt = state_prompt(body.get("prompt"))
+            answers: list[dict[str, Any] | None] = []
+            for a in asks:
+                peer = inst.peers.get(a["index"])
+                if peer is None or not peer.up:
+                    answers.append(None)
+                    continue
+                engine = peer.engine
+                queued = [state_prompt(x.get("prompt")) for x in a.get("ahead", []) if x["n"] > engine.received]
+                answers.append(snapshot(engine, prompt, queued))
+            return Response(_json.encode({"engines": answers}), media_type="application/json")
 
     # -- generation ---------------------------------------------------------------------
 

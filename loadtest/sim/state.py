@@ -31,7 +31,8 @@ without changing it. Where it is not exact:
 
 * a cached free block counts as evicted once the run has allocated past its place in
   the engine's LRU free queue (blocks freed in the run join its tail and are never
-  reached); a block the run cached twice (vLLM keeps duplicates) counts once;
+  reached, but for partial blocks a pool that reuses those first puts at its head); a
+  block the run cached twice (vLLM keeps duplicates) counts once;
 * only prompt blocks are looked up (workload histories carry recorded answers, never
   the generated tokens); the CPU tier is read, never updated;
 * a stretch of decode-only steps in which nothing can be admitted is computed in one go
@@ -106,6 +107,23 @@ class _Seq:
     """Hashes of blocks the run cached that it holds (found at admission, or its own)."""
     plain: int = 0
     """Blocks the run allocated to it that no other request can share."""
+    real: list[Block] | None = None
+    """Its leading blocks cached in the engine's pool (which the run never changes), once looked up."""
+    memo: _Hit | None = None
+    memo_version: int = -1
+
+    def real_prefix(self, pool: BlockPool, block_size: int) -> list[Block]:
+        """Leading blocks of the prompt cached in ``pool`` (at most those before its last token)."""
+        if self.real is None:
+            found: list[Block] = []
+            cached = pool.cached
+            for h in islice(self.hashes, (self.prompt_len - 1) // block_size):
+                copies = cached.get(h)
+                if not copies:
+                    break
+                found.append(next(iter(copies.values())))
+            self.real = found
+        return self.real
 
     @property
     def prefilling(self) -> bool:
@@ -180,7 +198,8 @@ def _load(engine: Engine, running: list[_Seq], waiting: list[_Seq]) -> dict[str,
     prefill = sum(s.prompt_len - s.computed for s in running if s.prefilling)
     held = pool.num_blocks - 1 - pool.num_free_blocks
     for s in waiting:
-        gpu, loaded = cached_prefix(pool, cpu, s.hashes, (s.prompt_len - 1) // bs)
+        gpu = len(s.real_prefix(pool, bs))
+        loaded = cpu.lookup(s.hashes[gpu : (s.prompt_len - 1) // bs]) if cpu is not None else 0
         prefill += s.prompt_len - (gpu + loaded) * bs
         held += -(-s.prompt_len // bs) - gpu
     return {
@@ -220,7 +239,6 @@ class _ForwardRun:
         self.cpu = engine.bm.cpu
         self.free = self.pool.num_free_blocks
         self.reserved = engine.bm.reserved
-        self.allocs = 0
         self.refs: dict[int, int] = {}
         """Real blocks whose count the run changed: block id -> change."""
         self.future: dict[bytes, int] = {}
@@ -229,49 +247,68 @@ class _ForwardRun:
         """Blocks of the engine's free queue an admission in the run took out of it."""
         self._lru = iter(self.pool.free)
         self._evicted: set[int] = set()
+        self._spare = 0
+        """Blocks freed in the run that the next allocations take before the LRU queue's head
+        (a finished request's partial last block, when the pool reuses those first)."""
+        self._uncached_first = getattr(self.pool, "uncached_first", False)
+        self._version = 0
+        """Bumped whenever a remembered lookup may be stale (an admission, a finish, a hit evicted)."""
+        self._watched: set[int] = set()
+        """Free cached blocks some remembered lookup hit: their eviction bumps the version."""
 
     # -- the pool, in counts ----------------------------------------------------------------
 
-    def _ref_cnt(self, block: Block) -> int:
-        return block.ref_cnt + self.refs.get(block.block_id, 0)
-
-    def _unref(self, block: Block) -> None:
-        bid = block.block_id
-        self.refs[bid] = self.refs.get(bid, 0) - 1
-        if self._ref_cnt(block) == 0:
-            self.free += 1
-
-    def _is_evicted(self, block: Block) -> bool:
-        """Whether the run's allocations have reached ``block`` in the engine's LRU free queue
-        (a block freed in the run joins the queue's tail: never reached in time)."""
-        if block.ref_cnt > 0:
-            return False
-        while len(self._evicted) < self.allocs:
-            bid = next(self._lru, None)
-            if bid is None:
-                break
-            if bid not in self.taken:
-                self._evicted.add(bid)
-        return block.block_id in self._evicted
-
     def _lookup(self, s: _Seq) -> _Hit:
-        """What admitting ``s`` now would find: its leading cached blocks, and which are free."""
+        """What admitting ``s`` now would find: its leading cached blocks, and which are free.
+
+        Remembered per request until the version moves or the run caches the block after
+        the hit (a queue's head that cannot be admitted is asked every step)."""
         limit = (s.prompt_len - 1) // self.bs
+        hit = s.memo
+        if hit is not None and s.memo_version == self._version and (
+            hit.blocks >= limit or s.hashes[hit.blocks] not in self.future
+        ):
+            return hit
         hit = _Hit()
-        for h in islice(s.hashes, limit):
-            holders = self.future.get(h)
+        future, refs, evicted = self.future, self.refs, self._evicted
+        real = s.real_prefix(self.pool, self.bs)
+        for i, h in enumerate(islice(s.hashes, limit)):
+            holders = future.get(h)
             if holders is not None:
                 hit.keys.append(h)
                 hit.free += holders == 0
             else:
-                block = self.pool.get_cached_block(h)
-                if block is None or block.block_id in self._evicted or self._is_evicted(block):
+                if i >= len(real) or real[i].block_id in evicted:
                     break
+                block = real[i]
                 hit.real.append(block)
-                hit.free += self._ref_cnt(block) == 0
+                if block.ref_cnt + refs.get(block.block_id, 0) == 0:
+                    hit.free += 1
+                    self._watched.add(block.block_id)
             hit.blocks += 1
         hit.loaded = self.cpu.lookup(s.hashes[hit.blocks : limit]) if self.cpu is not None else 0
+        s.memo, s.memo_version = hit, self._version
         return hit
+
+    def _take_new(self, n: int) -> None:
+        """``n`` new blocks: freed partial blocks first (if the pool reuses them first), then the
+        LRU queue's head, whose cached blocks are evicted (taken ones are no longer in it)."""
+        spare = min(n, self._spare)
+        self._spare -= spare
+        for _ in range(n - spare):
+            for bid in self._lru:
+                if bid not in self.taken:
+                    self._evicted.add(bid)
+                    if bid in self._watched:
+                        self._version += 1
+                    break
+
+    def _unref(self, block: Block) -> None:
+        bid = block.block_id
+        change = self.refs.get(bid, 0) - 1
+        self.refs[bid] = change
+        if block.ref_cnt + change == 0:
+            self.free += 1
 
     def _lifetime(self, s: _Seq, hit: _Hit) -> int:
         return -(-(s.prompt_len + s.output_len) // self.bs) - hit.blocks
@@ -288,6 +325,7 @@ class _ForwardRun:
         if not self._fits(s, hit):
             return None
         lifetime = self._lifetime(s, hit)
+        self._version += 1
         for block in hit.real:
             if block.ref_cnt == 0:
                 self.taken.add(block.block_id)
@@ -308,7 +346,7 @@ class _ForwardRun:
         new = need - s.blocks
         if new > 0:
             self.free -= new
-            self.allocs += new
+            self._take_new(new)
             used = min(new, s.reserved_left)
             s.reserved_left -= used
             self.reserved -= used
@@ -326,10 +364,19 @@ class _ForwardRun:
 
     def _finish(self, s: _Seq, running: list[_Seq]) -> None:
         running.remove(s)
+        self._version += 1
         self.reserved -= s.reserved_left
         self.free += s.plain
+        if self._uncached_first and (s.prompt_len + s.outputs) % self.bs:
+            self._spare += 1
+        refs = self.refs
         for block in s.held:
-            self._unref(block)
+            bid = block.block_id
+            if bid not in refs and block.ref_cnt == 1:
+                refs[bid] = -1
+                self.free += 1
+            else:
+                self._unref(block)
         for bid in s.real_hits:
             self._unref(self.pool.blocks[bid])
         future = self.future

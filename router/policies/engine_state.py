@@ -13,6 +13,9 @@ Those policies exist to measure routing in the simulator, never to route real en
 :meth:`SideChannel.start` checks that every backend serves the channel and refuses to
 start otherwise, naming the backend.
 
+The engines of one ``kvrouter sim`` process are asked in one request (the side channel
+names its process), which also makes their answers one instant's.
+
 Requests in transit: the channel counts the requests this router sent to each engine
 and keeps the last few prompts; each question carries those the engine may not have
 received yet (it counts what it received), so two decisions a few milliseconds apart
@@ -93,6 +96,9 @@ class SideChannel:
         self._sent = dict.fromkeys(backends, 0)
         self._received = dict.fromkeys(backends, 0)
         self._recent: dict[str, deque[tuple[int, bytes]]] = {b: deque(maxlen=AHEAD_KEPT) for b in backends}
+        self._index: dict[str, int] = {}
+        self._groups: list[list[str]] = []
+        """Backends by simulator process: each group is asked in one request."""
         self._prompts: OrderedDict[int, bytes] = OrderedDict()
         """Each decision's prompt as sent to the engines, by its key, until it is sent (bounded:
         ``/debug/route`` decides without sending)."""
@@ -103,6 +109,7 @@ class SideChannel:
             connector=aiohttp.TCPConnector(limit=64, keepalive_timeout=30.0),
             timeout=aiohttp.ClientTimeout(total=self.timeout_s),
         )
+        groups: dict[str, list[str]] = {}
         for name, url in self.urls.items():
             why = None
             try:
@@ -111,8 +118,10 @@ class SideChannel:
                     if not isinstance(body, dict) or body.get("side_channel") != "kvrouter-sim":
                         why = f"answered {r.status} to GET {STATE_PATH}"
                     else:
-                        self._received[name] = int(body.get("received", 0))
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+                        self._received[name] = int(body["received"])
+                        self._index[name] = int(body["index"])
+                        groups.setdefault(str(body["process"]), []).append(name)
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError) as e:
                 why = f"cannot be asked ({e!r})"
             if why is not None:
                 await self.aclose()
@@ -120,6 +129,7 @@ class SideChannel:
                     f"policy {policy} reads each engine's exact state and runs only against simulated engines "
                     f"started with `kvrouter sim --debug-state` (kvrouter bench does this); backend {name} ({url}) {why}"
                 )
+        self._groups = list(groups.values())
 
     async def aclose(self) -> None:
         if self.session is not None:
@@ -138,9 +148,8 @@ class SideChannel:
         self._prompts[key] = prompt
         if len(self._prompts) > 4 * AHEAD_KEPT:
             self._prompts.popitem(last=False)
-        names = list(self.urls)
-        answers = await asyncio.gather(*(self._ask(name, prompt) for name in names))
-        return dict(zip(names, answers))
+        answers = await asyncio.gather(*(self._ask(names, prompt) for names in self._groups))
+        return {name: state for names, states in zip(self._groups, answers) for name, state in zip(names, states)}
 
     def sent(self, key: int, backend: str) -> None:
         """The decision ``key`` is being sent to ``backend``: in transit until the engine counts it."""
@@ -151,20 +160,30 @@ class SideChannel:
         if prompt is not None:
             self._recent[backend].append((self._sent[backend], prompt))
 
-    async def _ask(self, name: str, prompt: bytes) -> EngineState | None:
+    async def _ask(self, names: list[str], prompt: bytes) -> list[EngineState | None]:
+        """One simulator process's engines ``names``, in one request to the first of them."""
         assert self.session is not None, "SideChannel.start() was not called"
-        received = self._received[name]
-        ahead = [b'{"n":%d,"prompt":%b}' % (n, p) for n, p in self._recent[name] if n > received]
-        payload = b'{"prompt":%b,"ahead":[%b]}' % (prompt, b",".join(ahead))
+        engines = []
+        for name in names:
+            received = self._received[name]
+            ahead = b",".join(b'{"n":%d,"prompt":%b}' % (n, p) for n, p in self._recent[name] if n > received)
+            engines.append(b'{"index":%d,"ahead":[%b]}' % (self._index[name], ahead))
+        payload = b'{"prompt":%b,"engines":[%b]}' % (prompt, b",".join(engines))
         try:
-            async with self.session.post(self.urls[name] + STATE_PATH, data=payload,
+            async with self.session.post(self.urls[names[0]] + STATE_PATH, data=payload,
                                          headers={"content-type": "application/json"}) as r:
                 if r.status != 200:
-                    log.warning("engine state of %s: HTTP %d %s", name, r.status, (await r.text())[:200])
-                    return None
-                d = await r.json(content_type=None)
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
-            log.warning("engine state of %s: %r", name, e)
-            return None
-        self._received[name] = max(received, int(d["received"]))
-        return EngineState.parse(name, d)
+                    log.warning("engine state of %s: HTTP %d %s", names, r.status, (await r.text())[:200])
+                    return [None] * len(names)
+                answers = (await r.json(content_type=None))["engines"]
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError) as e:
+            log.warning("engine state of %s: %r", names, e)
+            return [None] * len(names)
+        out: list[EngineState | None] = []
+        for name, d in zip(names, answers):
+            if d is None:
+                out.append(None)
+                continue
+            self._received[name] = max(self._received[name], int(d["received"]))
+            out.append(EngineState.parse(name, d))
+        return out
