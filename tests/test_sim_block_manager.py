@@ -4,8 +4,19 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from indexer.hashing import BlockHasher
-from loadtest.sim.block_manager import BlockManager, CacheRequest, CpuOffloadTier, RemovedRecord, StoredRecord
+from loadtest.sim.block_manager import (
+    BlockManager,
+    BlockPool,
+    CacheRequest,
+    CpuOffloadTier,
+    RemovedRecord,
+    StoredRecord,
+    reuses_uncached_first,
+)
+from loadtest.sim.engine import Engine, EngineConfig
 
 B = 16
 HASHER = BlockHasher("sha256", B, "0", "0.33.0")
@@ -54,6 +65,57 @@ def test_freed_blocks_stay_cached_and_evict_tail_first_in_lru_order() -> None:
     a_hashes = HASHER.hash_blocks(first)
     assert removed == [a_hashes[2], a_hashes[1]]
     assert bm.get_computed_blocks(_req("x", first + [1]))[1] == B
+
+
+@pytest.mark.parametrize(("version", "new_rule"), [
+    ("0.11.0", False), ("0.22.0", False), ("0.23.0", False), ("0.24.0", True), ("0.28.0", True), ("0.32.0", True), ("0.33.0", True),
+])
+def test_a_freed_partial_block_is_reused_before_a_cached_block_is_evicted_since_0_24(version: str, new_rule: bool) -> None:
+    """vLLM >= 0.24 prepends freed unhashed blocks to the free queue; 0.11-0.23 append them.
+
+    A full pool: ``a`` leaves 3 cached blocks, ``b`` one cached block and a partial one.
+    ``c`` then needs 2 blocks: the new rule takes ``b``'s partial block first and evicts
+    one block of ``a``, the old rule evicts two.
+    """
+    assert reuses_uncached_first(version) == new_rule
+    bm = BlockManager(1 + 4, B, uncached_first=new_rule)
+    first = list(range(3 * B))
+    a_hashes = HASHER.hash_blocks(first)
+    for rid, toks in (("a", first), ("b", list(range(5000, 5000 + B + 5)))):
+        r = _req(rid, toks)
+        _run(bm, r)
+        bm.free(r)
+    assert bm.pool.num_free_blocks == 4
+    bm.pool.take_events()
+    _run(bm, _req("c", list(range(9000, 9000 + 2 * B))))
+    removed = [e.block_hash for e in bm.pool.take_events() if isinstance(e, RemovedRecord)]
+    if new_rule:
+        assert removed == [a_hashes[1]]
+        assert bm.get_computed_blocks(_req("x", first + [1]))[1] == B
+    else:
+        assert removed == [a_hashes[1], a_hashes[0]]
+        assert bm.get_computed_blocks(_req("x", first + [1]))[1] == 0
+
+
+@pytest.mark.parametrize("uncached_first", [True, False])
+def test_freed_unhashed_blocks_keep_their_order_at_the_head_of_the_free_queue(uncached_first: bool) -> None:
+    pool = BlockPool(1 + 6, uncached_first)
+    blocks = pool.get_new_blocks(4)
+    blocks[1].block_hash = b"cached"
+    pool.free_blocks([blocks[3], blocks[1], blocks[2], blocks[0]])
+    order = [b.block_id for b in pool.free.values()]
+    if uncached_first:
+        assert order == [blocks[3].block_id, blocks[2].block_id, blocks[0].block_id, 5, 6, blocks[1].block_id]
+    else:
+        assert order == [5, 6] + [b.block_id for b in (blocks[3], blocks[1], blocks[2], blocks[0])]
+    assert [b.block_id for b in pool.get_new_blocks(1)] == [order[0]]
+
+
+def test_engine_config_sets_the_freeing_rule() -> None:
+    assert Engine(EngineConfig(num_blocks=8), HASHER).bm.pool.uncached_first
+    assert not Engine(EngineConfig(num_blocks=8, uncached_first=False), HASHER).bm.pool.uncached_first
+    assert not reuses_uncached_first("v0.23.1") and reuses_uncached_first("0.24.0rc1")
+    assert reuses_uncached_first("nightly")
 
 
 def test_touching_a_free_cached_block_takes_it_off_the_free_queue() -> None:

@@ -16,6 +16,7 @@ import subprocess
 import time
 
 import httpx
+import pytest
 
 from indexer.events import BlockRemoved, BlockStored, decode_batch, encode_batch, parse_pub_frames
 from indexer.hashing import BlockHasher
@@ -28,7 +29,10 @@ from support import KVROUTER, QWEN3_DIR, indexed_sim, random_conversations
 MODEL = "qwen3"
 
 GPU_ONLY_EVENTS_SHA256 = "b87727f9b4170da29390644ef6a40121e0e12ef809889100e856243502aa4a4e"
-"""Digest of :func:`_drive_engine`'s published payloads, recorded on the engine before the CPU tier was added."""
+"""Digest of :func:`_drive_engine`'s published payloads, recorded on the engine before the CPU tier was added
+(which freed every block to the free queue's tail: the 0.11-0.23 rule, ``uncached_first=False``)."""
+UNCACHED_FIRST_EVENTS_SHA256 = "e6901a4d9e8e62085f639930093dbcd36656a7bd40124f1fc604e5ef47842169"
+"""The same with vLLM >= 0.24's freeing rule (partial blocks reused first), recorded when that rule was added."""
 
 
 def _drive_engine(config: EngineConfig) -> tuple[int, str]:
@@ -61,11 +65,12 @@ def _drive_engine(config: EngineConfig) -> tuple[int, str]:
     return len(batches), digest.hexdigest()
 
 
-def test_without_offload_events_are_byte_identical_to_the_gpu_only_engine() -> None:
-    small = EngineConfig(num_blocks=48, max_num_batched_tokens=96, max_num_seqs=6)
-    assert _drive_engine(small) == (231, GPU_ONLY_EVENTS_SHA256)
-    tiered = EngineConfig(num_blocks=48, max_num_batched_tokens=96, max_num_seqs=6, cpu_offload_blocks=200)
-    assert _drive_engine(tiered)[1] != GPU_ONLY_EVENTS_SHA256, "the workload must be one the tier changes"
+@pytest.mark.parametrize(("uncached_first", "expected"), [(False, (231, GPU_ONLY_EVENTS_SHA256)), (True, (222, UNCACHED_FIRST_EVENTS_SHA256))])
+def test_without_offload_events_are_byte_identical_to_the_gpu_only_engine(uncached_first: bool, expected: tuple[int, str]) -> None:
+    small = EngineConfig(num_blocks=48, max_num_batched_tokens=96, max_num_seqs=6, uncached_first=uncached_first)
+    assert _drive_engine(small) == expected
+    tiered = EngineConfig(num_blocks=48, max_num_batched_tokens=96, max_num_seqs=6, cpu_offload_blocks=200, uncached_first=uncached_first)
+    assert _drive_engine(tiered)[1] != expected[1], "the workload must be one the tier changes"
 
 
 def _ids(seed: int, n: int) -> list[int]:

@@ -14,6 +14,11 @@ an engine still holds:
   LRU free queue but stays cached; a request frees its blocks tail first, so a chain's
   tail is evicted before its head. Allocation pops the queue head and, if that block
   was cached, evicts it (one ``BlockRemoved`` per block, like vLLM).
+* Freed blocks without a hash (a request's partial last block: it can never be hit) go
+  to the *head* of the free queue instead, in freeing order, so the next allocation
+  reuses them before it evicts anything (vLLM >= 0.24, ``prepend_n`` in
+  ``BlockPool.free_blocks``; 0.11-0.23 append them to the tail like cached ones, see
+  :func:`reuses_uncached_first`).
 * Blocks are cached when they are *scheduled* (``allocate_slots``), not when computed,
   exactly as vLLM does, and that includes blocks filled by generated tokens.
 * Duplicates are kept like vLLM: two requests that computed the same block at the same
@@ -35,6 +40,7 @@ request's later allocations always succeed.
 
 from __future__ import annotations
 
+import re
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -43,6 +49,19 @@ from typing import Any
 MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
 """The ``medium`` of each tier's events, as vLLM names them (the CPU backend's medium)."""
+
+UNCACHED_FIRST_SINCE = (0, 24)
+"""First vLLM release whose ``BlockPool.free_blocks`` puts freed blocks without a hash at
+the head of the free queue (0.11-0.23 append every freed block to the tail)."""
+
+
+def reuses_uncached_first(vllm_version: str) -> bool:
+    """Whether ``vllm_version`` ("0.22.1", "v0.33.0") reuses freed unhashed blocks first.
+
+    Unparseable versions count as the newest, as the hashing dialect does.
+    """
+    m = re.match(r"^\s*v?(\d+)\.(\d+)", str(vllm_version))
+    return m is None or (int(m[1]), int(m[2])) >= UNCACHED_FIRST_SINCE
 
 
 @dataclass(slots=True)
@@ -97,12 +116,18 @@ class CacheRequest:
 
 
 class BlockPool:
-    """Blocks, the LRU free queue and the hash -> block map (vLLM's ``BlockPool``)."""
+    """Blocks, the LRU free queue and the hash -> block map (vLLM's ``BlockPool``).
 
-    def __init__(self, num_blocks: int) -> None:
+    ``uncached_first``: freed blocks without a hash go to the head of the free queue,
+    to be reused before any cached block is evicted (vLLM >= 0.24); otherwise every
+    freed block goes to the tail (0.11-0.23).
+    """
+
+    def __init__(self, num_blocks: int, uncached_first: bool = True) -> None:
         if num_blocks < 2:
             raise ValueError("num_blocks must be at least 2 (block 0 is the null block)")
         self.num_blocks = num_blocks
+        self.uncached_first = uncached_first
         self.blocks = [Block(i) for i in range(num_blocks)]
         # OrderedDict: O(1) pop of the LRU head, append at the tail and removal of a
         # touched block from the middle (vLLM uses a doubly linked list for the same).
@@ -160,11 +185,24 @@ class BlockPool:
             block.ref_cnt += 1
 
     def free_blocks(self, ordered: list[Block]) -> None:
-        """Release ``ordered`` (first = evicted first) to the free queue's tail."""
+        """Release ``ordered`` (first = evicted first) to the free queue.
+
+        Cached blocks go to the tail (LRU). With :attr:`uncached_first`, blocks without a
+        hash go to the head instead, keeping their order (the first freed becomes the
+        head), as vLLM's ``prepend_n`` does; without it they go to the tail too.
+        """
+        free = self.free
+        uncached: list[Block] = []
         for block in ordered:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self.free[block.block_id] = block
+                if block.block_hash is None and self.uncached_first:
+                    uncached.append(block)
+                else:
+                    free[block.block_id] = block
+        for block in reversed(uncached):
+            free[block.block_id] = block
+            free.move_to_end(block.block_id, last=False)
 
     def cache_full_blocks(self, req: CacheRequest, blocks: list[Block], num_cached: int, num_full: int, block_size: int) -> None:
         if num_full <= num_cached:
@@ -312,11 +350,17 @@ class BlockManager:
     admitted with ``k`` offloaded blocks is allocated GPU blocks for them and passes
     ``num_computed_tokens`` past them, so they are cached on the GPU again (a GPU
     ``BlockStored``) and are not stored twice to the CPU, which already holds them.
+
+    ``uncached_first`` is the pool's freeing rule (:class:`BlockPool`): True for vLLM
+    >= 0.24, whose freed unhashed blocks (a request's partial last block) are reused
+    before a cached block is evicted; :func:`reuses_uncached_first` gives it per version.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, cpu_offload_blocks: int = 0) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, cpu_offload_blocks: int = 0, uncached_first: bool = True
+    ) -> None:
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_blocks, uncached_first)
         self.cpu = CpuOffloadTier(cpu_offload_blocks) if cpu_offload_blocks > 0 else None
         self._reqs: dict[str, _ReqState] = {}
         self.reserved = 0
@@ -386,7 +430,11 @@ class BlockManager:
         return len(state.blocks)
 
     def free(self, req: CacheRequest) -> None:
-        """Release ``req``'s blocks, tail first, and what it had reserved but not used."""
+        """Release ``req``'s blocks, tail first, and what it had reserved but not used.
+
+        Its cached blocks join the free queue's tail; a partial last block joins its head
+        under the >= 0.24 rule (see :class:`BlockPool`).
+        """
         state = self._reqs.pop(req.request_id, None)
         if state is not None:
             self.pool.free_blocks(state.blocks[::-1])

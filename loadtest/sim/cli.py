@@ -10,6 +10,7 @@ import signal
 import sys
 
 from indexer.hashing import BlockHasher, HashConfigError
+from loadtest.sim.block_manager import reuses_uncached_first
 from loadtest.sim.engine import EngineConfig
 from loadtest.sim.fleet import FleetSettings, instance_specs, run_fleet
 from loadtest.sim.latency import LatencyModel
@@ -125,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
         max_model_len=max_model_len,
         speedup=args.speedup,
         cpu_offload_blocks=args.cpu_offload_blocks,
+        uncached_first=reuses_uncached_first(args.vllm_version),
         latency=latency_from_args(args),
     )
     settings = FleetSettings(

@@ -55,6 +55,9 @@ class EngineConfig:
     speedup: float = 1.0
     cpu_offload_blocks: int = 0
     """Blocks of the CPU offload tier (0: none, a GPU-only engine)."""
+    uncached_first: bool = True
+    """Freed blocks without a hash are reused before cached ones are evicted (vLLM >= 0.24;
+    :func:`loadtest.sim.block_manager.reuses_uncached_first` gives it per version)."""
     latency: LatencyModel = field(default_factory=LatencyModel)
 
 
@@ -100,7 +103,7 @@ class Engine:
     ) -> None:
         self.config = config
         self.hasher = hasher
-        self.bm = BlockManager(config.num_blocks, config.block_size, config.cpu_offload_blocks)
+        self.bm = BlockManager(config.num_blocks, config.block_size, config.cpu_offload_blocks, config.uncached_first)
         self.publish = publish
         self.metrics = metrics
         self._paused = paused or (lambda: 0.0)
