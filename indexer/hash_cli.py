@@ -158,7 +158,7 @@ def _hash_for_operator(console: Console, args: argparse.Namespace) -> int:
 
 def _model_from_config(path: str, name: str | None) -> tuple[Any, dict[str, Any] | None]:
     """The base model serving ``name`` and, when ``name`` is an adapter, its LoRA key."""
-    from router.config import ConfigError, load_config
+    from kvconfig import ConfigError, load_config
 
     try:
         config = load_config(path)

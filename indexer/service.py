@@ -88,7 +88,7 @@ def create_app(subscriber: FleetSubscriber, index: RedisIndex, registry: Collect
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from router.config import ConfigError, load_config
+    from kvconfig import ConfigError, load_config
 
     try:
         config = load_config(args.config)

@@ -403,7 +403,7 @@ class HashVerifier:
 
 
 def verifiers_from_config(config: Any) -> dict[str, HashVerifier]:
-    """One verifier per model of a ``router.config.Config``, keyed by model name.
+    """One verifier per model of a ``kvconfig.Config``, keyed by model name.
 
     A model whose hashes cannot be reproduced at all (:class:`HashConfigError`, e.g. an
     unset PYTHONHASHSEED on vLLM < 0.30) gets none, with a warning: there is nothing to

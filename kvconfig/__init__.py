@@ -1,0 +1,283 @@
+"""The fleet config file (YAML): models, their backends, the router and the index.
+
+It sits below ``indexer`` and ``router`` in the dependency order (docs/architecture.md):
+the router, ``kvrouter indexer`` and ``kvrouter hash`` all read the same file, and
+``indexer/`` must not import ``router/``. ``router.config`` re-exports it.
+
+Every model is ``extra="forbid"`` so a typo in YAML is an error that names the key,
+at start-up rather than as a silently ignored setting. The shape is the contract in
+DESIGN.md; fields beyond it are optional extensions with safe defaults.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Annotated, Literal
+from urllib.parse import urlsplit
+
+import yaml
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+log = logging.getLogger(__name__)
+
+HashAlgo = Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]
+PolicyName = Literal[
+    "round_robin", "random", "least_loaded", "power_of_two", "session", "prefix_approx", "kv_aware",
+    # Simulator only (kvrouter bench): they read each engine's exact state (router/policies/oracle.py).
+    "oracle", "kv_aware+exact_load", "kv_aware+exact_cache", "kv_aware+exact",
+]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+def _non_empty(v: SecretStr) -> SecretStr:
+    # An empty key would read as "no key" and leave the door open: say so instead.
+    if not v.get_secret_value():
+        raise ValueError("an API key must not be empty (null means no key)")
+    return v
+
+
+ApiKey = Annotated[SecretStr, AfterValidator(_non_empty)]
+"""A secret: shown as ``**********`` by repr() and str(), so a logged config keeps it."""
+
+
+class LoraAdapter(_Strict):
+    """An adapter as given to the engines' ``--lora-modules name=path`` (id = lora_int_id)."""
+
+    name: str
+    path: str
+    id: int = Field(ge=1)
+
+
+class Backend(_Strict):
+    """One vLLM engine (or one DP group of engines behind one HTTP port)."""
+
+    name: str
+    url: str
+    kv_events: str | None = None
+    kv_replay: str | None = None
+    data_parallel_size: int = Field(default=1, ge=1)
+    api_key: ApiKey | None = None
+    """The engine's ``--api-key``: the router sends ``Authorization: Bearer KEY`` on every
+    call to it (proxied requests, health checks, scrapes, /tokenize)."""
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, v: str) -> str:
+        if not v.startswith(("http://", "https://")):
+            raise ValueError(f"backend url must start with http:// or https://, got {v!r}")
+        if "@" in urlsplit(v).netloc:
+            # The url is shown in /debug/backends and in logs; a key belongs in api_key.
+            raise ValueError("backend url must not carry credentials (user:password@); use the backend's api_key")
+        return v.rstrip("/")
+
+    def auth_headers(self) -> dict[str, str]:
+        """The headers every call to this engine carries (empty without an ``api_key``)."""
+        return {} if self.api_key is None else {"Authorization": f"Bearer {self.api_key.get_secret_value()}"}
+
+    @field_validator("kv_events", "kv_replay")
+    @classmethod
+    def _zmq_endpoint(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ValueError(
+                f"ZMQ endpoint must look like tcp://HOST:PORT (host and port, not just an ip), got {v!r}"
+            )
+        return v
+
+
+class Model(_Strict):
+    name: str
+    tokenizer: str
+    block_size: int = Field(default=16, ge=1)
+    hash_algo: HashAlgo = "sha256"
+    hash_seed: str | None = None
+    vllm_version: str = "0.33.0"
+    max_model_len: int | None = Field(default=None, ge=1)
+    lora_adapters: list[LoraAdapter] = []
+    backends: list[Backend] = Field(min_length=1)
+    policy: PolicyName | None = None
+    tokenizer_mode: Literal["local", "remote", "auto"] = "local"
+    parity_sample_rate: float = Field(default=0.01, ge=0.0, le=1.0)
+
+    @field_validator("hash_seed", mode="before")
+    @classmethod
+    def _seed_is_string(cls, v: object) -> object:
+        # PYTHONHASHSEED is an environment string; YAML may hand us an int.
+        return str(v) if isinstance(v, int) else v
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> "Model":
+        names = [b.name for b in self.backends]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"duplicate backend names in model {self.name!r}: {dupes}")
+        return self
+
+
+class KvAwareWeights(_Strict):
+    """Weights of the kv_aware cost (see router/policies/kv_aware.py for the formula)."""
+
+    prefill: float = Field(default=1.0, ge=0.0)
+    decode: float = Field(default=0.1, ge=0.0)
+    """Per active KV block. Dynamo weighs decode blocks 1:1 with prefill blocks; on the
+    Mooncake bench that made kv_aware balance KV memory instead of queued prefill and
+    lost to least_loaded on TTFT (engine TTFT p90 1.67 s vs 0.95 s at 0.1), because a
+    step's cost grows ~1000x less per held block than per prefilled token."""
+    context: float = Field(default=0.0, ge=0.0)
+    """Per prompt block of every in-flight request (a shared prefix counts once per request):
+    decode attention reads each request's whole context every step, which ``decode``'s
+    unique blocks do not see when many requests share a prefix. Off by default."""
+    cpu_tier: float = Field(default=0.5, ge=0.0, le=1.0)
+    storage_tier: float = Field(default=0.25, ge=0.0, le=1.0)
+    temperature: float = Field(default=0.0, ge=0.0)
+    imbalance_ratio: float = Field(default=1.25, ge=1.0)
+    imbalance_slack: int = Field(default=4, ge=0)
+    guard_min_saving: float = Field(default=0.5, ge=0.0, le=1.0)
+    speculative_ttl_s: float = Field(default=2.0, ge=0.0)
+
+
+class RouterSettings(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(default=8080, ge=0, le=65535)
+    policy: PolicyName = "kv_aware"
+    weights: KvAwareWeights = KvAwareWeights()
+    api_key: ApiKey | None = None
+    """Clients of the OpenAI endpoints send ``Authorization: Bearer KEY``. It does not open
+    ``/debug/*`` (see ``admin_api_key``)."""
+    admin_api_key: ApiKey | None = None
+    """The key for ``/debug/*``. Unset while ``api_key`` is set, ``/debug/*`` is closed
+    (403); with neither key set, everything is open (local use)."""
+    expose_decision_headers: bool = False
+    """Add ``x-kvrouter-reason`` to proxied responses. Off by default: a reason such as
+    ``cache_hit`` tells any client whether some prefix (maybe another tenant's) is cached.
+    ``x-kvrouter-backend`` is always sent."""
+    forward_client_authorization: bool = False
+    """Pass the client's ``Authorization`` header on to backends that have no ``api_key``
+    (engines that check each client's own key). Off, engines never see a client's key."""
+    max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
+    request_timeout_s: float = Field(default=600.0, gt=0)
+    connect_timeout_s: float = Field(default=5.0, gt=0)
+    retries: int = Field(default=2, ge=0)
+    health_interval_s: float = Field(default=2.0, gt=0)
+    metrics_scrape_interval_s: float = Field(default=1.0, gt=0)
+    session_header: str = "x-session-id"
+    prefix_ttl_s: float = Field(default=120.0, gt=0)
+    prefix_max_blocks: int = Field(default=1_000_000, ge=1)
+    breaker_failures: int = Field(default=5, ge=1)
+    breaker_cooldown_s: float = Field(default=5.0, gt=0)
+    max_connections_per_backend: int = Field(default=512, ge=1)
+    inline_tokenize_bytes: int = Field(default=2048, ge=0)
+    defer_cold_prompts: bool = True
+    """Send a prompt whose first block nobody holds before tokenizing all of it; the
+    full tokenization finishes in the background (router/cold.py)."""
+    history_memo: bool = True
+    """Route a chat request whose messages start with messages already tokenized on the
+    block keys remembered for them, before rendering it (router/history.py). Needs
+    ``defer_cold_prompts``. Under a configured ``max_model_len`` the template is still
+    rendered (the limit needs a length bound before the request is sent), but not
+    scanned or hashed."""
+    subscribe_events: bool | None = None
+    """Follow the backends' KV-event streams in this process. Default: yes with the
+    in-memory index, no with Redis (the standalone ``kvrouter indexer`` fills it)."""
+
+
+class Config(_Strict):
+    models: list[Model] = Field(min_length=1)
+    router: RouterSettings = RouterSettings()
+    index: str = "memory"
+
+    @field_validator("index")
+    @classmethod
+    def _index_kind(cls, v: str) -> str:
+        if v != "memory" and not v.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"index must be 'memory' or a Redis URL (redis://host:6379/0), got {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _shared_backends_agree(self) -> "Config":
+        # Backend state (health, load, connections) is kept per backend name, so a name
+        # listed under two models must be the same engine.
+        seen: dict[str, Backend] = {}
+        for m in self.models:
+            for b in m.backends:
+                first = seen.setdefault(b.name, b)
+                if first.url != b.url:
+                    raise ValueError(f"backend {b.name!r} is listed with two urls: {first.url} and {b.url}")
+                if first.api_key != b.api_key:
+                    raise ValueError(f"backend {b.name!r} is listed with two api_keys")
+        return self
+
+    @model_validator(mode="after")
+    def _unique_model_names(self) -> "Config":
+        names = [m.name for m in self.models] + [a.name for m in self.models for a in m.lora_adapters]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"model and adapter names must be unique, repeated: {dupes}")
+        return self
+
+    def model(self, name: str) -> Model | None:
+        """The base model serving ``name`` (a model or one of its LoRA adapters)."""
+        for m in self.models:
+            if m.name == name or any(a.name == name for a in m.lora_adapters):
+                return m
+        return None
+
+
+class ConfigError(Exception):
+    """The config file is missing, not YAML, or names an unknown key or a bad value."""
+
+
+class KeysFromEnv(BaseSettings):
+    """Keys given as environment variables instead of in the file (which is often committed).
+
+    ``KVROUTER_API_KEY`` and ``KVROUTER_ADMIN_API_KEY`` replace ``router.api_key`` and
+    ``router.admin_api_key``; ``KVROUTER_BACKEND_API_KEY`` is the ``api_key`` of every
+    backend that has none in the file. An empty variable counts as unset."""
+
+    model_config = SettingsConfigDict(env_prefix="KVROUTER_", extra="ignore")
+
+    api_key: SecretStr | None = None
+    admin_api_key: SecretStr | None = None
+    backend_api_key: SecretStr | None = None
+
+    def apply(self, config: Config) -> None:
+        router = config.router
+        for field in ("api_key", "admin_api_key"):
+            value = getattr(self, field)
+            if value is not None and value.get_secret_value():
+                setattr(router, field, value)
+                log.info("router.%s from KVROUTER_%s", field, field.upper())
+        key = self.backend_api_key
+        if key is not None and key.get_secret_value():
+            for m in config.models:
+                for b in m.backends:
+                    if b.api_key is None:
+                        b.api_key = key
+
+
+def load_config(path: str | Path) -> Config:
+    """The file's config, with the keys the environment gives (see :class:`KeysFromEnv`)."""
+    try:
+        raw = yaml.safe_load(Path(path).read_text())
+    except OSError as e:
+        raise ConfigError(f"cannot read config {path}: {e}") from e
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config {path} is not valid YAML: {e}") from e
+    config = parse_config(raw, source=str(path))
+    KeysFromEnv().apply(config)
+    return config
+
+
+def parse_config(raw: object, source: str = "<config>") -> Config:
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as e:
+        lines = [f"{source}: invalid config"]
+        for err in e.errors():
+            where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+            lines.append(f"  {where}: {err['msg']}")
+        raise ConfigError("\n".join(lines)) from None
