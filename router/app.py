@@ -283,7 +283,7 @@ class Router:
             if rt.engines is not None:
                 await rt.engines.start()
         self._tasks = [
-            asyncio.create_task(self._health_forever()),
+            asyncio.create_task(self.pool.health_forever(self._forget_backend)),
             asyncio.create_task(scrape_forever(self.pool, self.loads, self.settings.metrics_scrape_interval_s)),
             asyncio.create_task(self._learn_max_model_len()),
         ]
@@ -327,15 +327,6 @@ class Router:
                 raise
             rt.tokenizer_error = str(e)
             log.warning("model %s: local tokenizer unavailable (%s); tokenizing remotely", rt.config.name, e)
-
-    async def _health_forever(self) -> None:
-        while True:
-            before = {n for n, b in self.pool.backends.items() if b.health_ok}
-            await self.pool.check_all()
-            for name in before:
-                if not self.pool.get(name).health_ok:
-                    self._forget_backend(name)
-            await asyncio.sleep(self.settings.health_interval_s)
 
     def _forget_backend(self, name: str) -> None:
         """An ejected backend's cache is presumed gone (restart): drop what the router knew."""

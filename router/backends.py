@@ -181,9 +181,15 @@ class BackendPool:
     async def check_all(self) -> None:
         await asyncio.gather(*(self._check(b) for b in self.backends.values()))
 
-    async def health_forever(self) -> None:
+    async def health_forever(self, on_down: Callable[[str], None]) -> None:
+        """Check every backend each ``health_interval_s``; ``on_down(name)`` for each one
+        whose health check passed last round and fails now (its cache is presumed gone)."""
         while True:
+            before = [n for n, b in self.backends.items() if b.health_ok]
             await self.check_all()
+            for name in before:
+                if not self.backends[name].health_ok:
+                    on_down(name)
             await asyncio.sleep(self.settings.health_interval_s)
 
     async def _check(self, b: BackendState) -> None:

@@ -12,6 +12,9 @@ import argparse
 import importlib
 import sys
 
+DESCRIPTION = "KV-cache-aware router for vLLM fleets, and the tools that test it."
+"""Plain text: argparse prints it as it is (this module's docstring is reST)."""
+
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("router.server", "run the router (OpenAI-compatible gateway)"),
     "doctor": ("router.doctor", "check a live fleet's config before traffic arrives"),
@@ -28,7 +31,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvrouter", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="kvrouter", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     wanted = next((a for a in argv if not a.startswith("-")), None)
     for name, (module, help_text) in COMMANDS.items():

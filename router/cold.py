@@ -7,7 +7,8 @@ matches zero blocks, every backend ties on the cache, and the policy chooses by 
 So the router tokenizes only a short prefix of the text, hashes block 0 and looks it
 up; when nobody holds it (nor the router's own recent decisions), the request is sent
 at once and the full tokenization, hashing, speculative insertion and exact load
-accounting finish in the background (see ``Router.defer``).
+accounting finish in the background (``Router.prepare(defer=True)`` routes it,
+``Router.settle_later`` finishes it).
 
 The first ``n`` ids from a prefix are exact by construction: HF tokenizers cut the text
 at added tokens, then split it into pre-tokens (words) with a left-to-right regex, and
