@@ -271,6 +271,7 @@ def run_policy(workload: Workload, spec: FleetSpec | VllmSpec, policy: str, work
         "engine_queue_mean_s": _ratio(engine_metrics, "vllm:request_queue_time_seconds_sum",
                                       "vllm:request_queue_time_seconds_count"),
         "engine_max_clock_lag_s": sampler.max_lag_s,
+        "side_channel_mean_ms": _per_request_ms(engine_metrics, "kvrouter_sim:debug_state_seconds"),
         "decision_reasons": {k: int(v) for k, v in sorted(reasons.items(), key=lambda kv: -kv[1])},
         "router_metrics": {k: v for k, v in router_metrics.items()
                            if k.startswith("kvrouter_") and not k.endswith(("_bucket", "_created"))},
@@ -351,6 +352,12 @@ def _engine_buckets(fleet: EngineFleet, histogram: str) -> dict[float, float]:
 def _mean_ms(metrics: dict[str, float], hist: str) -> float | None:
     n = metrics.get(hist + "_count", 0.0)
     return metrics.get(hist + "_sum", 0.0) / n * 1000 if n else None
+
+
+def _per_request_ms(per_engine: dict[str, dict[str, float]], hist: str) -> float | None:
+    """Mean ms of a histogram over every engine (None where no engine observed it)."""
+    mean = _ratio(per_engine, hist + "_sum", hist + "_count")
+    return None if mean is None else mean * 1000
 
 
 def _ratio(per_engine: dict[str, dict[str, float]], num: str, den: str) -> float | None:

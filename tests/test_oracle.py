@@ -106,6 +106,18 @@ def test_prompts_in_transit_queue_ahead_of_the_prompt() -> None:
     assert behind["load"]["prefill_tokens"] == 8000 and alone["load"]["in_flight"] == 0
 
 
+def test_a_prefix_queued_ahead_counts_once() -> None:
+    """Requests queued behind one with the same prefix will find it computed: the exact load
+    charges it once, and a prompt sharing it sees it as queued (kv_aware's speculative hit, exact)."""
+    engine = Engine(EngineConfig(speedup=1e-9), HASHER)
+    shared = list(range(5000, 13_000))
+    ahead = [_prompt(shared, 10), _prompt(shared + list(range(100, 900)), 10)]
+    answer = snapshot(engine, _prompt(shared + list(range(900, 1300)), 10), ahead)
+    assert answer["load"]["prefill_tokens"] == 8000 + 800
+    assert answer["load"]["context_blocks"] == 500 + 550
+    assert answer["queued_blocks"] == 500 and answer["cached_blocks"] == {"gpu": 0, "cpu": 0}
+
+
 def test_the_forward_run_leaves_the_engine_as_it_was() -> None:
     engine = Engine(EngineConfig(num_blocks=400, speedup=1e-9), HASHER)
     for i in range(6):

@@ -319,6 +319,7 @@ def create_app(inst: Instance) -> FastAPI:
                 for a in asks
             ):
                 raise ApiError(400, "engines must be a list of {index, ahead: [{n, prompt}]}", "engines")
+            t0 = time.perf_counter()
             prompt = state_prompt(body.get("prompt"))
             answers: list[dict[str, Any] | None] = []
             for a in asks:
@@ -329,6 +330,7 @@ def create_app(inst: Instance) -> FastAPI:
                 engine = peer.engine
                 queued = [state_prompt(x.get("prompt")) for x in a.get("ahead", []) if x["n"] > engine.received]
                 answers.append(snapshot(engine, prompt, queued))
+            inst.metrics.state_seconds.observe(time.perf_counter() - t0)
             return Response(_json.encode({"engines": answers}), media_type="application/json")
 
     # -- generation ---------------------------------------------------------------------

@@ -62,6 +62,9 @@ class EngineMetrics:
         self.e2e = hist("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", _E2E_BUCKETS)
         self.queue_time = hist("vllm:request_queue_time_seconds", "Time spent in WAITING phase for request.", _E2E_BUCKETS)
         self.clock_lag = gauge("kvrouter_sim:clock_lag_seconds", "Modelled clock behind wall time (engine seconds).")
+        self.state_seconds = hist("kvrouter_sim:debug_state_seconds",
+                                  "Wall seconds answering the oracle's side channel (POST /debug/state, --debug-state).",
+                                  (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0))
 
     def enable_offload(self, cpu_usage: Callable[[], float]) -> None:
         r, labels, values = self.registry, ["model_name", "engine"], self._values

@@ -148,8 +148,8 @@ def snapshot(engine: Engine, prompt: Prompt, ahead: list[Prompt]) -> dict[str, A
     for s in running:
         s.cached_upto = min(s.computed, s.prompt_len) // bs
     gpu, cpu = cached_prefix(engine.bm.pool, engine.bm.cpu, prompt.hashes, len(prompt.hashes))
-    queued = max((_common_prefix(s.hashes, prompt.hashes) for s in (*running, *waiting)), default=0)
-    load = _load(engine, running, waiting)
+    load, queued_hashes = _load(engine, running, waiting)
+    queued = _leading(prompt.hashes, queued_hashes)
     target = _Seq(prompt.prompt_len, prompt.hashes, prompt.output_len, target=True)
     first = run.first_token_at(start, running, deque([*waiting, target]))
     return {
@@ -180,35 +180,44 @@ def _running_seq(engine: Engine, r: SimRequest) -> _Seq:
                 held=held)
 
 
-def _common_prefix(a: Sequence[bytes], b: Sequence[bytes]) -> int:
-    """Leading blocks two prompts share (hashes chain, so equal at i means equal before i)."""
+def _leading(hashes: Sequence[bytes], held: set[bytes]) -> int:
+    """Leading blocks of ``hashes`` in ``held`` (hashes chain: a prefix of another prompt's blocks)."""
     n = 0
-    for x, y in zip(a, b):
-        if x != y:
+    for h in hashes:
+        if h not in held:
             break
         n += 1
     return n
 
 
-def _load(engine: Engine, running: list[_Seq], waiting: list[_Seq]) -> dict[str, int]:
-    """The queue in :class:`router.load.BackendLoad`'s terms, exact: uncached prompt tokens not
-    yet computed, unique KV blocks held or about to be, prompt blocks per request."""
+def _load(engine: Engine, running: list[_Seq], waiting: list[_Seq]) -> tuple[dict[str, int], set[bytes]]:
+    """The queue in :class:`router.load.BackendLoad`'s terms, exact: prompt tokens still to
+    prefill, unique KV blocks held or about to be, prompt blocks per request; and the prompt
+    blocks of every request on the engine. A waiting request's prefill counts neither what
+    the engine holds nor what a request ahead of it will have computed by then (the
+    router's own accounting does the same with what it sent)."""
     bs = engine.config.block_size
     pool, cpu = engine.bm.pool, engine.bm.cpu
     prefill = sum(s.prompt_len - s.computed for s in running if s.prefilling)
     held = pool.num_blocks - 1 - pool.num_free_blocks
+    ahead: set[bytes] = set()
+    for s in running:
+        ahead.update(s.hashes)
     for s in waiting:
-        gpu = len(s.real_prefix(pool, bs))
-        loaded = cpu.lookup(s.hashes[gpu : (s.prompt_len - 1) // bs]) if cpu is not None else 0
+        limit = (s.prompt_len - 1) // bs
+        gpu = max(len(s.real_prefix(pool, bs)), _leading(s.hashes[:limit], ahead))
+        loaded = cpu.lookup(s.hashes[gpu:limit]) if cpu is not None else 0
         prefill += s.prompt_len - (gpu + loaded) * bs
         held += -(-s.prompt_len // bs) - gpu
-    return {
+        ahead.update(s.hashes)
+    load = {
         "in_flight": len(running) + len(waiting),
         "prefill_tokens": prefill,
         "decode_seqs": sum(1 for s in running if not s.prefilling),
         "active_blocks": held,
         "context_blocks": sum(-(-s.prompt_len // bs) for s in (*running, *waiting)),
     }
+    return load, ahead
 
 
 @dataclass(slots=True)
@@ -250,7 +259,7 @@ class _ForwardRun:
         self._spare = 0
         """Blocks freed in the run that the next allocations take before the LRU queue's head
         (a finished request's partial last block, when the pool reuses those first)."""
-        self._uncached_first = getattr(self.pool, "uncached_first", False)
+        self._uncached_first = self.pool.uncached_first
         self._version = 0
         """Bumped whenever a remembered lookup may be stale (an admission, a finish, a hit evicted)."""
         self._watched: set[int] = set()

@@ -18,14 +18,16 @@ names its process), which also makes their answers one instant's.
 
 Requests in transit: the channel counts the requests this router sent to each engine
 and keeps the last few prompts; each question carries those the engine may not have
-received yet (it counts what it received), so two decisions a few milliseconds apart
-see each other, as they do in the router's own load accounting.
+received yet (it counts what it received; sent within the last second), so two
+decisions a few milliseconds apart see each other, as they do in the router's own load
+accounting.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +42,9 @@ log = logging.getLogger(__name__)
 STATE_PATH = "/debug/state"
 AHEAD_KEPT = 16
 """Prompts kept per engine for the in-transit list (more than ever travel at once on loopback)."""
+IN_TRANSIT_S = 1.0
+"""A request sent longer ago has arrived or never will (an engine rejected it, or restarted and
+counts from 0): it is not sent as in transit any more."""
 _PROMPT_FIELDS = ("prompt", "messages")
 _encoder = msgspec.json.Encoder()
 
@@ -95,7 +100,7 @@ class SideChannel:
         self.session: aiohttp.ClientSession | None = None
         self._sent = dict.fromkeys(backends, 0)
         self._received = dict.fromkeys(backends, 0)
-        self._recent: dict[str, deque[tuple[int, bytes]]] = {b: deque(maxlen=AHEAD_KEPT) for b in backends}
+        self._recent: dict[str, deque[tuple[int, float, bytes]]] = {b: deque(maxlen=AHEAD_KEPT) for b in backends}
         self._index: dict[str, int] = {}
         self._groups: list[list[str]] = []
         """Backends by simulator process: each group is asked in one request."""
@@ -158,15 +163,17 @@ class SideChannel:
         self._sent[backend] += 1
         prompt = self._prompts.get(key)
         if prompt is not None:
-            self._recent[backend].append((self._sent[backend], prompt))
+            self._recent[backend].append((self._sent[backend], time.monotonic(), prompt))
 
     async def _ask(self, names: list[str], prompt: bytes) -> list[EngineState | None]:
         """One simulator process's engines ``names``, in one request to the first of them."""
         assert self.session is not None, "SideChannel.start() was not called"
         engines = []
+        recent_since = time.monotonic() - IN_TRANSIT_S
         for name in names:
             received = self._received[name]
-            ahead = b",".join(b'{"n":%d,"prompt":%b}' % (n, p) for n, p in self._recent[name] if n > received)
+            ahead = b",".join(b'{"n":%d,"prompt":%b}' % (n, p) for n, t, p in self._recent[name]
+                              if n > received and t > recent_since)
             engines.append(b'{"index":%d,"ahead":[%b]}' % (self._index[name], ahead))
         payload = b'{"prompt":%b,"engines":[%b]}' % (prompt, b",".join(engines))
         try:
