@@ -524,6 +524,10 @@ class RedisIndex:
                 out[Worker(backend, rank)] = n
         return out
 
+    def models(self) -> set[str]:
+        """The models this namespace holds blocks of (ever written by some indexer)."""
+        return {m.decode() for m in self._redis.smembers(f"{self._ns}:models")}
+
     def memory_bytes(self) -> int:
         """Sum of ``MEMORY USAGE`` (Redis' default 5-sample estimate) over this namespace's keys.
 

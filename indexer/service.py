@@ -40,7 +40,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redis", default=None, help="Redis URL to write (default: the config's index, if it is one)")
     parser.add_argument("--host", default="127.0.0.1", help="address for /health and /metrics")
     parser.add_argument("--port", type=int, default=8090, help="port for /health and /metrics")
-    parser.add_argument("--namespace", default="kvr", help="Redis key prefix (routers must use the same)")
+    parser.add_argument("--namespace", default=None,
+                        help="Redis key prefix (default: the config's index_namespace, which the routers read)")
     parser.add_argument("--dead-grace-s", type=float, default=30.0, help="purge a worker disconnected this long")
     parser.add_argument("--no-verify", action="store_true", help="do not check the engines' block hashes")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -113,11 +114,15 @@ def run(args: argparse.Namespace) -> int:
     except (redis.RedisError, ValueError) as e:
         print(f"cannot reach Redis at {url}: {e}", file=sys.stderr)
         return 2
-    index = RedisIndex(url, namespace=args.namespace)
+    namespace = args.namespace or config.index_namespace
+    if namespace != config.index_namespace:
+        log.warning("--namespace %r is not the config's index_namespace %r: routers reading %s will not see "
+                    "what this indexer writes", namespace, config.index_namespace, args.config)
+    index = RedisIndex(url, namespace=namespace)
     registry = CollectorRegistry()
     subscriber = FleetSubscriber(index, specs, verifiers=verifiers, dead_grace_s=args.dead_grace_s,
                                  metrics_registry=registry)
-    log.info("ingesting %d event streams into %s (namespace %s)", len(specs), url, args.namespace)
+    log.info("ingesting %d event streams into %s (namespace %s)", len(specs), url, namespace)
     uvicorn.run(create_app(subscriber, index, registry, url), host=args.host, port=args.port,
                 log_level=args.log_level, access_log=False)
     return 0

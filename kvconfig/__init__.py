@@ -189,6 +189,10 @@ class Config(_Strict):
     models: list[Model] = Field(min_length=1)
     router: RouterSettings = RouterSettings()
     index: str = "memory"
+    index_namespace: str = Field(default="kvr", min_length=1, pattern=r"^[^\n]+$")
+    """The Redis index's key prefix, read by the router and ``kvrouter indexer`` alike: a
+    router reading another namespace than the indexer writes sees no cached block at all.
+    Several fleets (or tests) can share one Redis server under different namespaces."""
 
     @field_validator("index")
     @classmethod

@@ -208,7 +208,7 @@ class Router:
         self.settings = config.router
         self.pool = BackendPool(config)
         self.loads = LoadTracker(list(self.pool.backends))
-        self.index: Index = index if index is not None else _make_index(config.index)
+        self.index: Index = index if index is not None else _make_index(config.index, config.index_namespace)
         # Two workers: tokenization holds the GIL for its Python part (template rendering), so
         # more threads would only contend with the event loop for it.
         self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
@@ -274,6 +274,8 @@ class Router:
                 self.index, specs_from_config(self.config), verifiers=verifiers, metrics_registry=self.stream_registry
             )
             self.subscriber.start()
+        else:
+            await _warn_if_unfilled(self.index, self.config)
         self._unregister_metrics = metrics.register_fleet(
             metrics.FleetCollector(self.pool, self.loads, self.stream_stats, self.stream_registry)
         )
@@ -906,12 +908,32 @@ def _lower_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
 
 
-def _make_index(spec: str) -> Index:
+def _make_index(spec: str, namespace: str) -> Index:
     if spec == "memory":
         return MemoryIndex()
     from indexer.redis_index import RedisIndex
 
-    return RedisIndex(spec)
+    return RedisIndex(spec, namespace=namespace)
+
+
+async def _warn_if_unfilled(index: Index, config: Config) -> None:
+    """A router reading a Redis index that ``kvrouter indexer`` fills: say at start when
+    the namespace holds none of a model's blocks. The indexer may not have started yet, or
+    it writes another ``index_namespace``; in the second case every lookup would miss
+    without a word, so the warning names the key to compare."""
+    models = getattr(index, "models", None)
+    if models is None:
+        return
+    try:
+        written = await asyncio.to_thread(models)
+    except Exception as e:  # noqa: BLE001 - Redis may come up after the router; lookups then fall back
+        log.warning("index_namespace %r: cannot read the Redis index at start: %r", config.index_namespace, e)
+        return
+    missing = [m.name for m in config.models if m.name not in written]
+    if missing:
+        log.warning("index_namespace %r holds no blocks of %s yet: check that kvrouter indexer runs with the same "
+                    "config (its --namespace, if given, must equal index_namespace)", config.index_namespace,
+                    ", ".join(missing))
 
 
 def _validate_fields(body: dict[str, Any], kind: str) -> None:

@@ -26,3 +26,11 @@ def test_unknown_key_is_rejected_by_name() -> None:
     raw = {"models": [{"name": "m", "tokenizer": "t", "backends": [{"name": "b", "url": "http://h:1"}], "blok_size": 16}]}
     with pytest.raises(ConfigError, match="blok_size"):
         parse_config(raw)
+
+
+@pytest.mark.parametrize("bad", ["", "a\nb"])
+def test_an_empty_or_multi_line_index_namespace_is_rejected_by_name(bad: str) -> None:
+    raw = {"models": [{"name": "m", "tokenizer": "t", "backends": [{"name": "b", "url": "http://h:1"}]}],
+           "index_namespace": bad}
+    with pytest.raises(ConfigError, match="index_namespace"):
+        parse_config(raw)

@@ -3,24 +3,28 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from pathlib import Path
 
 import httpx
+import pytest
 import yaml
 
 from indexer.events import BlockStored, EventBatch, encode_batch
 from indexer.hashing import BlockHasher
 from indexer.index import Worker
 from indexer.redis_index import RedisIndex
+from kvconfig import load_config
+from router.app import _warn_if_unfilled
 from kvpub import EnginePublisher
 from support import KVROUTER, QWEN3_DIR, Proc, free_port, wait_http
 
 MODEL = "qwen3-0.6b"
 
 
-def write_config(path: Path, engine: EnginePublisher, redis_url: str) -> Path:
+def write_config(path: Path, engine: EnginePublisher, redis_url: str, **extra: str) -> Path:
     config = {
         "models": [{
             "name": MODEL, "tokenizer": str(QWEN3_DIR), "block_size": 16, "hash_algo": "sha256",
@@ -29,6 +33,7 @@ def write_config(path: Path, engine: EnginePublisher, redis_url: str) -> Path:
                           "kv_replay": engine.replay_endpoint}],
         }],
         "index": redis_url,
+        **extra,
     }
     path.write_text(yaml.safe_dump(config))
     return path
@@ -88,4 +93,47 @@ def test_indexer_says_when_redis_is_unreachable(tmp_path: Path) -> None:
             assert proc.popen.wait(60) == 2
             assert "cannot reach Redis" in proc.log()
     finally:
+        engine.close()
+
+
+def test_indexer_writes_the_namespace_the_config_names(tmp_path: Path, redis_url: str) -> None:
+    engine = EnginePublisher(topic=b"")
+    namespace = f"cfg-{uuid.uuid4().hex[:8]}"
+    config = write_config(tmp_path / "fleet.yaml", engine, redis_url, index_namespace=namespace)
+    port = free_port()
+    hashes = BlockHasher("sha256", 16, "0", "0.33.0").hash_blocks_int64(list(range(16 * 2)))
+    index = RedisIndex(redis_url, namespace=namespace)
+    try:
+        with Proc([*KVROUTER, "indexer", "--config", str(config), "--port", str(port)], tmp_path / "indexer.log") as proc:
+            wait_http(f"http://127.0.0.1:{port}/health", timeout=60, proc=proc.popen)
+            engine.wait_subscribed()
+            engine.publish(encode_batch(EventBatch(1.0, [BlockStored(hashes, None, list(range(32)), 16, None, "GPU")], 0), "0.33.0"))
+            deadline = time.monotonic() + 20
+            while asyncio.run(index.lookup(MODEL, hashes)) != {Worker("engine-0", 0): {"GPU": 2}}:
+                assert time.monotonic() < deadline, proc.log()
+                time.sleep(0.05)
+            assert f"namespace {namespace}" in proc.log()
+    finally:
+        index.close()
+        engine.close()
+
+
+def test_a_router_warns_at_start_when_its_namespace_holds_none_of_its_models(
+    tmp_path: Path, redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    engine = EnginePublisher(replay=False)
+    namespace = f"empty-{uuid.uuid4().hex[:8]}"
+    config = load_config(write_config(tmp_path / "fleet.yaml", engine, redis_url, index_namespace=namespace))
+    index = RedisIndex(redis_url, namespace=namespace)
+    try:
+        with caplog.at_level(logging.WARNING, logger="router.app"):
+            asyncio.run(_warn_if_unfilled(index, config))
+        assert f"index_namespace {namespace!r} holds no blocks of {MODEL}" in caplog.text
+        caplog.clear()
+        index.store(MODEL, Worker("engine-0", 0), [1, 2])
+        with caplog.at_level(logging.WARNING, logger="router.app"):
+            asyncio.run(_warn_if_unfilled(index, config))
+        assert caplog.text == ""
+    finally:
+        index.close()
         engine.close()
