@@ -335,10 +335,8 @@ class Router:
         for rt in self.models.values():
             if name not in rt.backends:
                 continue
-            for attr in ("speculative", "tree"):
-                approx = getattr(rt.policy, attr, None)
-                if approx is not None:
-                    approx.forget(name)
+            if rt.memory is not None:
+                rt.memory.forget(name)
             if self.subscriber is not None:
                 backend = self.pool.get(name).config
                 for rank in range(backend.data_parallel_size):

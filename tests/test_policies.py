@@ -354,3 +354,19 @@ def test_sparse_approx_index_is_exact_for_extensions_and_never_more_than_a_strid
         backend = rng.choice("ab")
         idx.insert(probe, backend)
         sent.append((probe, backend))
+
+
+@pytest.mark.parametrize("make", [
+    lambda: KvAware(KvAwareWeights(), 1000),
+    lambda: PrefixApprox(60.0, 1000, KvAwareWeights()),
+], ids=["kv_aware", "prefix_approx"])
+def test_a_policy_with_prefix_memory_forgets_a_backend(make) -> None:
+    from router.policies.base import PrefixMemory
+
+    policy = make()
+    assert isinstance(policy, PrefixMemory)
+    policy.remember([1, 2, 3], "b0")
+    policy.remember([7, 8], "b1")
+    policy.forget("b0")
+    assert not policy.remembers([1, 2, 3])
+    assert policy.remembers([7, 8])

@@ -77,11 +77,15 @@ class Policy(Protocol):
 class PrefixMemory(Protocol):
     """What a policy that remembers its own decisions by prefix (kv_aware, prefix_approx)
     adds: the router asks whether a prompt's first block was routed recently before it
-    sends a cold prompt untokenized, and hands over the full keys once they are known."""
+    sends a cold prompt untokenized, and hands over the full keys once they are known.
+    ``forget`` drops what was sent to a backend whose cache is presumed gone (its health
+    check failed: a restart)."""
 
     def remember(self, keys: list[int], backend: str) -> None: ...
 
     def remembers(self, keys: list[int]) -> bool: ...
+
+    def forget(self, backend: str) -> None: ...
 
 
 @runtime_checkable

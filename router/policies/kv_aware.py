@@ -110,6 +110,9 @@ class KvAware:
         """Whether the router sent the prefix ``keys`` somewhere recently."""
         return bool(self.speculative.match(keys)) if len(self.speculative) else False
 
+    def forget(self, backend: str) -> None:
+        self.speculative.forget(backend)
+
     def _sample(self, ranked: list[Candidate]) -> Candidate:
         lo, hi = ranked[0].score, ranked[-1].score
         span = (hi - lo) or 1.0

@@ -63,3 +63,6 @@ class PrefixApprox:
 
     def remembers(self, keys: list[int]) -> bool:
         return bool(self.tree.match(keys))
+
+    def forget(self, backend: str) -> None:
+        self.tree.forget(backend)
