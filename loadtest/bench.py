@@ -61,7 +61,16 @@ from loadtest.fleet import (
     scrape_labelled,
 )
 from loadtest.peer import VllmRouter, parse_peers, peer_policy
-from loadtest.replay import NO_BACKEND, ReplayResult, Replayer, add_workload_args, load_workload, percentiles, write_records
+from loadtest.replay import (
+    NO_BACKEND,
+    ReplayResult,
+    Replayer,
+    add_workload_args,
+    key_values,
+    load_workload,
+    percentiles,
+    write_records,
+)
 from loadtest.vllm_fleet import VllmFleet, VllmSpec
 from loadtest.workloads import Workload, WorkloadError
 from router.policies import EXACT_STATE_POLICIES
@@ -525,12 +534,7 @@ def parse_weights(items: list[str]) -> dict[str, Any] | None:
 
     from router.config import KvAwareWeights
 
-    raw: dict[str, str] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise WorkloadError(f"--kv-weight wants KEY=VALUE, got {item!r}")
-        raw[key.strip()] = value.strip()
+    raw = key_values(items, "--kv-weight")
     if not raw:
         return None
     try:

@@ -368,12 +368,13 @@ def load_workload(args: argparse.Namespace, path: str, fmt: str | None) -> Workl
         opts = {"session_rate": args.session_rate, "think_s": args.think_time,
                 "max_output_tokens": args.max_output_tokens}
     elif fmt == "mixed":
-        opts = {"mix": _key_values(args.mix, "--mix")}
+        opts = {"mix": key_values(args.mix, "--mix")}
     return workloads.load(path, fmt, seed=args.seed, max_requests=args.max_requests,
                           tokenizer_path=args.tokenizer, **opts)
 
 
-def _key_values(items: list[str], flag: str) -> dict[str, str]:
+def key_values(items: list[str], flag: str) -> dict[str, str]:
+    """Repeatable ``KEY=VALUE`` command-line items (``--mix``, ``--kv-weight``) as a dict; a malformed one names its flag."""
     out: dict[str, str] = {}
     for item in items:
         key, sep, value = item.partition("=")

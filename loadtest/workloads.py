@@ -327,11 +327,9 @@ class SyntheticSpec:
     @classmethod
     def from_file(cls, path: str | Path) -> SyntheticSpec:
         """Read a JSON object of fields; ``default`` (or an empty path) gives the defaults."""
-        if str(path) in ("", "default", "-"):
+        raw = _spec_object(path, "synthetic spec")
+        if raw is None:
             return cls()
-        raw = _read_json(path, "synthetic spec")
-        if not isinstance(raw, dict):
-            raise WorkloadError(f"{path}: a synthetic spec is a JSON object")
         unknown = sorted(set(raw) - set(cls.__dataclass_fields__))
         if unknown:
             raise WorkloadError(f"{path}: unknown synthetic spec keys {unknown}")
@@ -464,12 +462,8 @@ class MixedSpec:
     @classmethod
     def from_file(cls, path: str | Path) -> MixedSpec:
         """A JSON object of fields; ``default`` (or an empty path) gives the defaults."""
-        if str(path) in ("", "default", "-"):
-            return cls()
-        raw = _read_json(path, "mixed workload spec")
-        if not isinstance(raw, dict):
-            raise WorkloadError(f"{path}: a mixed workload spec is a JSON object")
-        return cls.with_overrides(raw, str(path))
+        raw = _spec_object(path, "mixed workload spec")
+        return cls() if raw is None else cls.with_overrides(raw, str(path))
 
     @classmethod
     def with_overrides(cls, raw: dict[str, Any], source: str = "mixed workload", base: MixedSpec | None = None) -> MixedSpec:
@@ -758,6 +752,16 @@ def _finish(name: str, sessions: list[Session], skipped: int, source: object) ->
 
 
 @lru_cache(maxsize=4)
+def _spec_object(path: str | Path, what: str) -> dict[str, Any] | None:
+    """A workload spec file's JSON object, or None for ``default`` (or an empty path): the defaults."""
+    if str(path) in ("", "default", "-"):
+        return None
+    raw = _read_json(path, what)
+    if not isinstance(raw, dict):
+        raise WorkloadError(f"{path}: a {what} is a JSON object")
+    return raw
+
+
 def _read_json(path: str | Path, what: str) -> Any:
     """The JSON document at ``path``; :class:`WorkloadError` naming ``what`` if it cannot be read or parsed."""
     try:
