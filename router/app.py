@@ -24,8 +24,6 @@ import contextlib
 import dataclasses
 import gc
 import logging
-import os
-import threading
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -41,6 +39,7 @@ from indexer.hashing import BlockHasher
 from indexer.index import Index, MemoryIndex, Worker
 from router import metrics
 from router.auth import Access
+from router.background import MAX_SETTLING, Background
 from router.backends import BackendPool
 from router.cold import MIN_CHARS, HeadProbe
 from router.config import Config, Model
@@ -84,11 +83,6 @@ response is complete, or when a request with the same first block needs its keys
 Starting at once would compete for the CPU (and the GIL) with the engine and the event
 loop exactly while the request is being sent and first answered; nothing needs the
 exact keys that soon, and its load ticket carries an estimate meanwhile."""
-MAX_SETTLING = 8
-"""Most deferred requests queued on the background thread. It is one thread at a low OS
-priority: past this it is not keeping up, and a deferred request's load would stay an
-estimate for longer than tokenizing it on the request path takes, so requests take that
-path until it catches up (outcome ``busy``)."""
 INLINE_UNCACHED_CHARS = 2048
 """A rendered prompt whose segments not yet in the segment cache total at most this many
 characters is tokenized on the event loop: a re-sent history plus a new turn costs a
@@ -212,9 +206,9 @@ class Router:
         # Two workers: tokenization holds the GIL for its Python part (template rendering), so
         # more threads would only contend with the event loop for it.
         self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
-        self.background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="settle", initializer=_lower_priority)
-        """Deferred requests' tokenization: off every request's critical path, so it runs
-        at a lower OS priority and yields the cores to the event loop and the tokenize pool."""
+        self.background = Background(MAX_SETTLING)
+        """Work a request leaves behind once sent (settles, learning, sampled checks): off
+        every request's critical path, on one low-priority thread (:mod:`router.background`)."""
         self.models: dict[str, ModelRuntime] = {}
         self.served: dict[str, tuple[ModelRuntime, dict[str, Any] | None]] = {}
         for m in config.models:
@@ -242,15 +236,12 @@ class Router:
                 self.served[a.name] = (rt, lora)
         self.subscriber: Any = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._background: set[asyncio.Task[Any]] = set()
         self._stream_stats: dict[Worker, Any] = {}
         self._stream_stats_at = 0.0
         self._pending: dict[tuple[str, int], Pending] = {}
         """Cold deferred requests not yet settled, by (model, block 0 key): a request with
         the same first block starts their tokenization and waits for it instead of
         deciding blind."""
-        self._settling = 0
-        """Deferred requests queued on the background thread (see :data:`MAX_SETTLING`)."""
         self._unregister_metrics: Any = None
         self.stream_registry = CollectorRegistry(auto_describe=True)
         """The subscriber's own series, exposed through :class:`metrics.FleetCollector` so
@@ -307,7 +298,7 @@ class Router:
             if rt.engines is not None:
                 await rt.engines.aclose()
         self.executor.shutdown(wait=False, cancel_futures=True)
-        self.background.shutdown(wait=False, cancel_futures=True)
+        self.background.shutdown()
         close = getattr(self.index, "aclose", None)
         if close is not None:
             await close()
@@ -397,7 +388,7 @@ class Router:
         if defer and self.settings.defer_cold_prompts and rt.engines is None and raw_len >= MIN_CHARS:
             chain = self._chain(rt, body, kind)
             prompt = None
-            if chain is not None and self._settling < MAX_SETTLING:
+            if chain is not None and not self.background.full:
                 prompt, deferred = self._recall(rt, body, kind, lora, salt, chain)
             if deferred is None:
                 rendered, deferred = self._probe(rt, body, kind, lora, salt, prompt)
@@ -411,7 +402,7 @@ class Router:
                     hits or (memory is not None and memory.remembers(deferred.keys)) or (rt.config.name, deferred.keys[0]) in self._pending
                 ):
                     outcome = "known"
-                elif self._settling >= MAX_SETTLING:
+                elif self.background.full:
                     outcome = "busy"
                 elif rt.config.max_model_len is not None and _length_error(rt, body, [deferred.max_tokens(rt.probe)]):  # type: ignore[arg-type]
                     outcome = "ineligible"  # a configured limit, maybe below the engines': check it exactly
@@ -556,14 +547,14 @@ class Router:
         pending = Pending()
         if d.cold:
             self._pending[key] = pending
-        self._spawn(self._settle(prepared, d, ticket, key, pending))
+        self.background.spawn(self._settle(prepared, d, ticket, key, pending))
         return pending
 
     async def _settle(self, prepared: Prepared, d: Deferred, ticket: Ticket, key: tuple[str, int], pending: Pending) -> None:
         rt = prepared.runtime
         try:
             await _woken(pending.wake)
-            ids, keys, learned = await self._in_background(self._settle_job, rt, d, prepared.chain)
+            ids, keys, learned = await self.background.run(self._settle_job, rt, d, prepared.chain)
             if d.cold:
                 assert rt.probe is not None
                 rt.probe.check(d.head, ids)
@@ -575,7 +566,7 @@ class Router:
             if rt.memory is not None:
                 rt.memory.remember(keys, prepared.backend)
             if rt.guard.should_check():
-                self._spawn(self._parity_check(rt, d.body, d.kind, ids))
+                self.background.spawn(self._parity_check(rt, d.body, d.kind, ids))
         except (TokenizeError, BadRequest) as e:  # routed unrendered, and the router cannot tokenize it: the engine judges it
             log.debug("a deferred %s request cannot be tokenized here: %s", rt.config.name, e)
             metrics.child(metrics.COLD_PATH, rt.config.name, "settle_error").inc()
@@ -613,28 +604,20 @@ class Router:
         if chain.hashes[-1] in memo and (len(chain.hashes) == 1 or chain.hashes[-2] in memo):
             return None
         wake = asyncio.Event()
-        self._spawn(self._learn(prepared, wake))
+        self.background.spawn(self._learn(prepared, wake))
         return wake.set
 
     async def _learn(self, prepared: Prepared, wake: asyncio.Event) -> None:
         rt = prepared.runtime
         await _woken(wake)
-        if self._settling >= MAX_SETTLING:
+        if self.background.full:
             return  # background work is behind: learn from a later turn instead
         try:
-            learned = await self._in_background(self._history_job, rt, prepared.chain, prepared.body, prepared.rendered, prepared.ctx.keys)
+            learned = await self.background.run(self._history_job, rt, prepared.chain, prepared.body, prepared.rendered, prepared.ctx.keys)
         except Exception as e:  # noqa: BLE001 - only the next turn's shortcut is lost
             log.warning("learning a %s chat history failed: %r", rt.config.name, e)
             return
         self._remember_history(rt, learned)
-
-    async def _in_background(self, fn: Any, *args: Any) -> Any:
-        """``fn(*args)`` on the low-priority thread, counted in ``_settling`` (see :data:`MAX_SETTLING`)."""
-        self._settling += 1
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self.background, fn, *args)
-        finally:
-            self._settling -= 1
 
     @staticmethod
     def _history_job(
@@ -684,7 +667,7 @@ class Router:
             first = prompts[0] if prompts else []
             return first, [len(p) for p in prompts], rt.hash_cache.hash_int64(first, lora=lora, cache_salt=salt)
         if rt.guard.should_check():
-            self._spawn(self._parity_check(rt, body, kind, first))
+            self.background.spawn(self._parity_check(rt, body, kind, first))
         return first, lengths, keys
 
     def _inline(self, raw_len: int, token_ids: list[int] | None) -> bool:
@@ -787,11 +770,6 @@ class Router:
         except Exception as e:  # noqa: BLE001 - a failed sample check is only logged
             log.debug("parity check against %s failed: %r", name, e)
 
-    def _spawn(self, coro: Any) -> None:
-        task = asyncio.create_task(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
     @staticmethod
     def _check_length(rt: ModelRuntime, body: dict[str, Any], lengths: list[int]) -> None:
         error = _length_error(rt, body, lengths)
@@ -875,9 +853,6 @@ def _length_error(rt: ModelRuntime, body: dict[str, Any], lengths: list[int]) ->
             "Please reduce the length of the prompt or the completion.")
 
 
-BACKGROUND_NICE = 10
-
-
 def _render(tok: PromptTokenizer, body: dict[str, Any], kind: str) -> tuple[str, bool] | None:
     """The prompt text of a single-text request (None: not one, or not for this router)."""
     try:
@@ -898,12 +873,6 @@ async def _woken(wake: asyncio.Event) -> None:
     """Wait for ``wake``, at most :data:`SETTLE_DELAY_S`."""
     with contextlib.suppress(asyncio.TimeoutError):
         await asyncio.wait_for(wake.wait(), SETTLE_DELAY_S)
-
-
-def _lower_priority() -> None:
-    """Lower the calling thread's scheduling priority (Linux: threads have their own nice)."""
-    with contextlib.suppress(OSError, AttributeError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
 
 
 def _make_index(spec: str, namespace: str) -> Index:

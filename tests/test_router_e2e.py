@@ -560,12 +560,12 @@ def test_a_backlogged_background_thread_sends_prompts_down_the_full_path(fleet: 
 
     with InProcessRouter(fleet_config(fleet, policy="kv_aware")) as r:
         router = r.server.config.app.state.router
-        router._settling = MAX_SETTLING  # as if that many deferred requests were queued
+        router.background.queued = MAX_SETTLING  # as if that many deferred requests were queued
         busy, deferred = _cold("busy"), _cold("deferred")
         body = {"model": MODEL, "messages": [{"role": "user", "content": unique_text(600)}], "max_tokens": 2}
         assert httpx.post(r.url + "/v1/chat/completions", json=body, timeout=60).status_code == 200
         assert (_cold("busy"), _cold("deferred")) == (busy + 1, deferred)
-        router._settling = 0
+        router.background.queued = 0
         assert httpx.post(r.url + "/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": unique_text(600)}]},
                           timeout=60).status_code == 200
         assert _cold("deferred") == deferred + 1
