@@ -11,7 +11,9 @@ and shutdown and knows the same routes (so a wrong method is a 405 there).
 
 Errors keep one shape: a :class:`~router.errors.RouterError` becomes its OpenAI error
 (counted in ``kvrouter_rejected_total``), and an unexpected exception is logged and
-answered 500 in the same shape instead of Starlette's plain-text page. A
+answered 500 in the same shape instead of Starlette's plain-text page, on either path
+(the fallback calls the endpoints through the same guard). Starlette's own answers, an
+unknown path (404) or a method the path does not take (405), are OpenAI-shaped too. A
 ``RecursionError`` is the request's doing, not a bug: a body nested a few hundred levels
 deep decodes, then exhausts the stack wherever it is walked next (hashing the messages,
 rendering the template). It is a 400 and one log line, not a 500 with a traceback that
@@ -25,12 +27,13 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from router import metrics
-from router.errors import BadRequest, RouterError, error_response
+from router.errors import BadRequest, RouterError, error_body, error_response
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +50,32 @@ async def _on_router_error(_: Request, exc: Exception) -> Response:
     return answer_error(exc)
 
 
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
+
+
+async def _on_http_error(_: Request, exc: Exception) -> Response:
+    """Starlette's answers (no such path, a method the path does not take) in the OpenAI shape."""
+    assert isinstance(exc, HTTPException)
+    code = _HTTP_CODES.get(exc.status_code, "invalid_request")
+    metrics.child(metrics.REJECTED, str(exc.status_code), code).inc()
+    return Response(error_body(exc.detail, "invalid_request_error", code), status_code=exc.status_code,
+                    headers=exc.headers, media_type="application/json")
+
+
+async def answer(endpoint: Endpoint, request: Request) -> Response:
+    """``endpoint(request)``, with every exception it raises turned into an OpenAI error."""
+    try:
+        return await endpoint(request)
+    except RouterError as exc:
+        return answer_error(exc)
+    except RecursionError:
+        log.warning("%s %s: request nested too deeply", request.scope["method"], request.scope["path"])
+        return answer_error(BadRequest("request body is nested too deeply", code="invalid_json"))
+    except Exception:  # noqa: BLE001 - a bug must still get an OpenAI-shaped answer
+        log.exception("%s %s failed", request.scope["method"], request.scope["path"])
+        return answer_error(RouterError("internal error in the router"))
+
+
 class Endpoints:
     """ASGI app: ``routes[(method, path)]`` directly, ``fallback`` for everything else."""
 
@@ -54,6 +83,7 @@ class Endpoints:
         self.fallback = fallback
         self.routes: dict[tuple[str, str], Endpoint] = {}
         fallback.add_exception_handler(RouterError, _on_router_error)
+        fallback.add_exception_handler(HTTPException, _on_http_error)
 
     @property
     def state(self) -> Any:
@@ -61,21 +91,16 @@ class Endpoints:
 
     def add(self, method: str, path: str, endpoint: Endpoint) -> None:
         self.routes[(method, path)] = endpoint
-        self.fallback.add_route(path, endpoint, methods=[method])
+
+        async def guarded(request: Request) -> Response:
+            return await answer(endpoint, request)
+
+        self.fallback.add_route(path, guarded, methods=[method])
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         endpoint = self.routes.get((scope["method"], scope["path"])) if scope["type"] == "http" else None
         if endpoint is None:
             await self.fallback(scope, receive, send)
             return
-        try:
-            response = await endpoint(Request(scope, receive))
-        except RouterError as exc:
-            response = answer_error(exc)
-        except RecursionError:
-            log.warning("%s %s: request nested too deeply", scope["method"], scope["path"])
-            response = answer_error(BadRequest("request body is nested too deeply", code="invalid_json"))
-        except Exception:  # noqa: BLE001 - a bug must still get an OpenAI-shaped answer
-            log.exception("%s %s failed", scope["method"], scope["path"])
-            response = answer_error(RouterError("internal error in the router"))
+        response = await answer(endpoint, Request(scope, receive))
         await response(scope, receive, send)

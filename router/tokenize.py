@@ -281,6 +281,11 @@ class PromptTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._hf.decode(ids)
 
+    @property
+    def max_token_id(self) -> int:
+        """The largest token id this tokenizer knows (added tokens included)."""
+        return len(self._hf) - 1
+
     # -- OpenAI bodies ----------------------------------------------------------
 
     def render_chat(self, body: dict[str, Any]) -> str:

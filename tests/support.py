@@ -7,6 +7,8 @@ the bench wait for children the same way.
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import random
 import socket
 import sys
@@ -17,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import yaml
 import zmq
 
 from indexer.index import MemoryIndex, Worker
@@ -30,6 +33,16 @@ FIXTURES = REPO / "tests" / "fixtures"
 GOLDEN = FIXTURES / "golden"
 QWEN3_DIR = REPO / "loadtest" / "data" / "tokenizers" / "qwen3"
 KVROUTER = [sys.executable, "-m", "router.cli"]
+
+FUZZ_FULL = os.environ.get("KVROUTER_FUZZ_FULL", "") not in ("", "0")
+"""``KVROUTER_FUZZ_FULL=1``: the fuzz suites (tests/test_fuzz_*.py) run their full case
+counts (issue 17: 10,000 HTTP requests, 100,000 event payloads) instead of the bounded
+ones ``make test`` runs."""
+
+
+def fuzz_cases(bounded: int, full: int) -> int:
+    """How many cases a fuzz test runs: ``full`` under ``KVROUTER_FUZZ_FULL=1``, else ``bounded``."""
+    return full if FUZZ_FULL else bounded
 
 
 def free_port() -> int:
@@ -137,3 +150,69 @@ def wait_for(cond: Callable[[], bool], what: str, timeout: float = 20.0) -> None
             return
         time.sleep(0.005)
     raise TimeoutError(f"timed out waiting for {what}")
+
+
+class RouterProc:
+    """``kvrouter serve`` on a free loopback port with the given config (a dict, written as YAML)."""
+
+    def __init__(self, name: str, config: dict[str, Any], tmp: Path, env: dict[str, str] | None = None,
+                 log_level: str = "debug") -> None:
+        self.port = free_port()
+        self.log_path = tmp / f"{name}.log"
+        path = tmp / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(config))
+        args = KVROUTER + ["serve", "--config", str(path), "--port", str(self.port), "--log-level", log_level]
+        self.proc = Proc(args, self.log_path, env=env)
+        wait_http(self.url + "/health", timeout=120, proc=self.proc.popen)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        self.proc._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        self.proc.stop()
+
+
+def openai_error(body: bytes) -> dict[str, Any]:
+    """The ``error`` object of an OpenAI-shaped error body; AssertionError naming what is wrong otherwise."""
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        raise AssertionError(f"error body is not JSON: {body[:300]!r}") from None
+    error = doc.get("error") if isinstance(doc, dict) else None
+    assert isinstance(error, dict), f"error body has no error object: {body[:300]!r}"
+    assert isinstance(error.get("message"), str) and isinstance(error.get("type"), str) and "code" in error, body[:300]
+    return error
+
+
+def sse_events(raw: bytes) -> tuple[list[bytes], bytes]:
+    """The ``data`` of each event of an SSE body, and the bytes after the last complete event.
+
+    Parsed as the WHATWG algorithm does (lines end with CRLF, LF or CR; an empty line
+    dispatches; ``data:`` lines join with LF; an event without data is not dispatched),
+    so what it returns is what a conforming client would see."""
+    events: list[bytes] = []
+    data: list[bytes] = []
+    i, n, start, event_end = 0, len(raw), 0, 0
+    while i < n:
+        c = raw[i]
+        if c not in (10, 13):
+            i += 1
+            continue
+        line = raw[start:i]
+        i += 2 if c == 13 and i + 1 < n and raw[i + 1] == 10 else 1
+        start = i
+        if not line:
+            if data:
+                events.append(b"\n".join(data))
+            data = []
+            event_end = i
+            continue
+        field, _, value = line.partition(b":")
+        if field == b"data":
+            data.append(value[1:] if value.startswith(b" ") else value)
+    return events, raw[event_end:]

@@ -27,11 +27,10 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
-import yaml
 from aiohttp import web
 
 from router.config import ConfigError, load_config, parse_config
-from support import KVROUTER, QWEN3_DIR, REPO, Proc, free_port, wait_http
+from support import QWEN3_DIR, REPO, RouterProc, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -130,30 +129,6 @@ class EchoEngine:
         self.stop()
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)
-
-
-class RouterProc:
-    """``kvrouter serve`` on a free loopback port with the given config, logging at debug."""
-
-    def __init__(self, name: str, config: dict[str, Any], tmp: Path, env: dict[str, str] | None = None) -> None:
-        self.port = free_port()
-        self.log_path = tmp / f"{name}.log"
-        path = tmp / f"{name}.yaml"
-        path.write_text(yaml.safe_dump(config))
-        args = KVROUTER + ["serve", "--config", str(path), "--port", str(self.port), "--log-level", "debug"]
-        self.proc = Proc(args, self.log_path, env=env)
-        wait_http(self.url + "/health", timeout=120, proc=self.proc.popen)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def log(self) -> str:
-        self.proc._log.flush()
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self) -> None:
-        self.proc.stop()
 
 
 def config(backends: list[dict[str, Any]], models: dict[str, list[str]] | None = None, **router: Any) -> dict[str, Any]:

@@ -73,6 +73,22 @@ def test_errors_are_openai_shaped(sim) -> None:
     assert bad_field.status_code == 400 and bad_field.json()["error"]["param"] == "max_tokens"
 
 
+def test_token_ids_out_of_vocabulary_are_a_400_like_vllm(sim) -> None:
+    """vLLM's renderer refuses them; the simulator once crashed into a 500 (found by tests/test_fuzz_http.py)."""
+    for ids in ([10**20], [5, 2**63], [1_000_000], [[1, 2], [3, 2**64]]):
+        r = httpx.post(sim.http() + "/v1/completions", json={"model": "qwen3", "prompt": ids, "max_tokens": 1}, timeout=30)
+        assert r.status_code == 400 and "out of vocabulary" in r.json()["error"]["message"], r.text
+    r = httpx.post(sim.http() + "/detokenize", json={"model": "qwen3", "tokens": [1, 2**70]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens", r.text
+
+
+def test_unknown_paths_and_methods_are_openai_shaped(sim) -> None:
+    missing = httpx.post(sim.http() + "/v1/embeddings", json={"model": "qwen3", "input": "x"})
+    assert missing.status_code == 404 and missing.json()["error"] == {"message": "Not Found", "type": "Not Found", "param": None, "code": 404}
+    wrong = httpx.get(sim.http() + "/v1/completions")
+    assert wrong.status_code == 405 and wrong.json()["error"]["code"] == 405 and wrong.headers["allow"] == "POST"
+
+
 def test_tokenize_and_render_match_vllm_render_vectors(sim) -> None:
     cases = [json.loads(line) for line in (GOLDEN / "render_vectors_vllm-0.33.0_qwen3-0.6b-tok.jsonl").open()]
     checked = 0

@@ -3,8 +3,10 @@
 Token ids come from :mod:`router.tokenize` (the renderer the router uses, checked
 against vLLM's own), so ``/tokenize`` and the render endpoints answer what vLLM would.
 Errors are OpenAI-shaped like vLLM's: ``{"error": {"message", "type", "param", "code"}}``,
-400 for bad JSON or fields and for prompts over ``max_model_len``, 404 for an unknown
-model. ``usage.prompt_tokens_details.cached_tokens`` is the request's prefix hit as the
+400 for bad JSON or fields, for token ids out of vocabulary and for prompts over
+``max_model_len``, 404 for an unknown model; an unknown path or method is answered in
+the same shape (vLLM's ``http_exception_handler``).
+``usage.prompt_tokens_details.cached_tokens`` is the request's prefix hit as the
 block manager computed it at admission (never the whole prompt), GPU blocks plus those
 loaded from the CPU offload tier, i.e. what vLLM reports with
 ``--enable-prompt-tokens-details`` (its ``num_cached_tokens`` counts connector hits).
@@ -23,6 +25,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
+from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -30,6 +33,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException
 
 from indexer.hashing import to_int64
 from loadtest.sim.engine import FINISHED, EngineDead, SimRequest
@@ -123,6 +127,11 @@ def create_app(inst: Instance) -> FastAPI:
     async def _tok_error(_: Request, exc: TokenizeError) -> JSONResponse:
         return error_response(400, str(exc))
 
+    @app.exception_handler(HTTPException)
+    async def _http_error(_: Request, exc: HTTPException) -> JSONResponse:
+        return JSONResponse({"error": {"message": str(exc.detail), "type": HTTPStatus(exc.status_code).phrase, "param": None,
+                                       "code": exc.status_code}}, status_code=exc.status_code, headers=exc.headers)
+
     @app.middleware("http")
     async def _pause(request: Request, call_next: Any) -> Response:
         if not request.url.path.startswith("/debug/fault"):
@@ -157,6 +166,15 @@ def create_app(inst: Instance) -> FastAPI:
             )
         return max_tokens
 
+    max_token_id = inst.tokenizer.max_token_id
+
+    def check_vocab(ids: list[int], param: str) -> list[int]:
+        """vLLM's renderer refuses ids past the vocabulary (``Token id N is out of vocabulary``)."""
+        if ids and (min(ids) < 0 or max(ids) > max_token_id):
+            bad = min(ids) if min(ids) < 0 else max(ids)
+            raise ApiError(400, f"Token id {bad} is out of vocabulary", param)
+        return ids
+
     def prompts_of(body: dict[str, Any], chat: bool) -> list[list[int]]:
         if chat:
             if not isinstance(body.get("messages"), list) or not body["messages"]:
@@ -165,7 +183,7 @@ def create_app(inst: Instance) -> FastAPI:
         if "prompt" not in body or body["prompt"] is None:
             raise ApiError(400, "prompt is required", "prompt")
         try:
-            return inst.tokenizer.completion_ids(body)
+            return [check_vocab(ids, "prompt") for ids in inst.tokenizer.completion_ids(body)]
         except (TypeError, ValueError) as e:
             if isinstance(e, TokenizeError):
                 raise
@@ -207,7 +225,7 @@ def create_app(inst: Instance) -> FastAPI:
         tokens = body.get("tokens")
         if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
             raise ApiError(400, "tokens must be a list of integers", "tokens")
-        return {"prompt": inst.tokenizer.decode(tokens)}
+        return {"prompt": inst.tokenizer.decode(check_vocab(tokens, "tokens"))}
 
     def render_one(body: dict[str, Any], ids: list[int]) -> dict[str, Any]:
         max_tokens = _int_field(body, "max_tokens", None, 1)
