@@ -2,7 +2,7 @@
 
 A vLLM engine publishes one msgpack payload per scheduler step on a ZMQ PUB socket: an
 array ``[ts, events, data_parallel_rank]`` whose events are msgspec *tagged* structs.
-The encoding of an event changed over time (``shared/VLLM_FACTS.md`` §3):
+The encoding of an event changed over time (``docs/vllm-facts.md`` §3):
 
 * vLLM <= 0.23 sends each event as a positional array ``[tag, field, field, ...]`` with
   every field of that version present (nil when unset); newer fields are simply absent

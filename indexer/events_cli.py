@@ -1,6 +1,6 @@
 """``kvrouter events decode``: read vLLM KV-event payloads, for machines and for operators.
 
-``--jsonl`` is the machine contract (``shared/DESIGN.md``): one input line
+``--jsonl`` is the machine contract (the README's command table): one input line
 ``{"topic_hex", "seq", "payload_hex"}`` in, one line in the golden ``expected`` shape
 out, ``{"error": ...}`` for a line that cannot be decoded, and on to the next.
 

@@ -1,6 +1,6 @@
 """``kvrouter hash``: vLLM block hashes of a prompt, for machines and for operators.
 
-``--jsonl`` is the machine contract (``shared/DESIGN.md``): each stdin line carries the
+``--jsonl`` is the machine contract (the README's command table): each stdin line carries the
 input fields of a golden hash vector (``vllm_version, hash_algo, pythonhashseed,
 block_size, token_ids, lora, cache_salt, mm``) and gets one line
 ``{"block_hashes_hex": [...], "block_hashes_int64": [...]}``; a bad line gets

@@ -2,10 +2,10 @@
 
 A prompt is cut into full blocks of ``block_size`` tokens and block ``i`` hashes to
 ``H_i = hash_fn((H_{i-1}, tuple(block_tokens), extra_keys_i))`` with ``H_{-1} = NONE_HASH``
-(vLLM ``v1/core/kv_cache_utils.py``; ``shared/VLLM_FACTS.md`` §1). Hits are always a
+(vLLM ``v1/core/kv_cache_utils.py``; ``docs/vllm-facts.md`` §1). Hits are always a
 prefix because each hash chains its parent, so the router only ever needs the chain.
 
-What differs between versions (the *dialect*, table in ``shared/golden/README.md``):
+What differs between versions (the *dialect*, table in ``tests/fixtures/golden/README.md``):
 which algorithms exist, what NONE_HASH is when PYTHONHASHSEED is unset, and the shape
 of the extra keys (LoRA, multimodal items, cache_salt, prompt-embeds digests).
 

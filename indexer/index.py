@@ -4,7 +4,7 @@ Every engine reports, through KV events, the 64-bit keys of the blocks it caches
 which tier (``medium``: GPU, CPU, ...). The router asks, for a request's chain of block
 keys, how many *leading* blocks each worker holds. Only the leading run counts because
 each block hash chains its parent: vLLM's scheduler walks the chain left to right and
-stops at the first miss (``shared/VLLM_FACTS.md`` §2), so a block held after a gap is
+stops at the first miss (``docs/vllm-facts.md`` §2), so a block held after a gap is
 never reused.
 
 Two implementations share the :class:`Index` protocol and its semantics (the tests run

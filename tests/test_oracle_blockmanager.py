@@ -4,7 +4,7 @@ Each ``blockmanager_trace_*.jsonl`` was recorded from vLLM's real ``KVCacheManag
 event batches interleaved with probes that carry vLLM's own ``num_computed_tokens``.
 The batches go through the real path (a ZMQ publisher on loopback, the
 :class:`FleetSubscriber`, the index); at each probe, the leading-block count the index
-gives the worker, capped like vLLM (``shared/VLLM_FACTS.md`` §2), must equal vLLM's answer.
+gives the worker, capped like vLLM (``docs/vllm-facts.md`` §2), must equal vLLM's answer.
 """
 
 from __future__ import annotations
