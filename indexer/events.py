@@ -42,7 +42,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, TypeAlias, Union
+from typing import Annotated, Any, TypeAlias, Union
 
 import msgspec
 
@@ -83,6 +83,9 @@ REPLAY_END_SEQ = b"\xff" * 8
 """The seq frame of the replay end marker: -1 as 8 big-endian bytes."""
 
 BlockHash: TypeAlias = Union[int, bytes]
+Medium: TypeAlias = Annotated[str, msgspec.Meta(pattern=r"\A[^\r\n]*\Z")]
+"""A tier name (``GPU``, ``CPU``, a connector's): one line, as the indexes key by it
+(the Redis index separates names with newlines, so a batch naming such a tier is malformed)."""
 
 
 class EventDecodeError(ValueError):
@@ -106,7 +109,7 @@ class BlockStored(msgspec.Struct, tag="BlockStored", tag_field="type", gc=False)
     token_ids: list[int]
     block_size: int
     lora_id: int | None
-    medium: str | None
+    medium: Medium | None
     lora_name: str | None = None
     extra_keys: Any = None
     group_idx: int | None = None
@@ -122,7 +125,7 @@ class BlockRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type", gc=Fals
     """Blocks evicted from ``medium`` (``None``: GPU on older engines)."""
 
     block_hashes: list[BlockHash]
-    medium: str | None
+    medium: Medium | None
     group_idx: int | None = None
     locality: Any = None
     ownership: Any = None

@@ -40,8 +40,11 @@ is the same publisher before trusting the next seq.
 
 Everything runs on one background thread that owns every socket; other threads talk to
 it through a command queue, so routing never waits on ingestion. Malformed messages are
-counted (``kvrouter_kv_events_malformed_total``), logged and skipped; nothing a peer sends
-can stop the thread.
+counted (``kvrouter_kv_events_malformed_total``), logged and skipped, and so is a batch
+that decodes but that the hash verifier cannot process or the index refuses (a
+``ValueError``: it would be refused again after a re-sync, which replays it); nothing a
+peer sends can stop the thread. Other index failures (Redis unreachable) re-synchronise
+the worker.
 """
 
 from __future__ import annotations
@@ -714,9 +717,18 @@ class FleetSubscriber:
             return
         verifier = self._verifiers.get(st.spec.model)
         if verifier is not None:
-            batch = self._verify(st, verifier, batch)
+            try:
+                batch = self._verify(st, verifier, batch)
+            except Exception as e:  # noqa: BLE001 - one engine's odd batch must not stop every stream
+                self._malformed(st, f"seq {seq}: cannot be verified: {e!r}")
+                return
         try:
             self._index.apply(st.spec.model, st.spec.worker, batch)
+        except ValueError as e:
+            # The index refused the batch's content: it would refuse it again after a
+            # re-sync (which replays it), so it is skipped like any malformed batch.
+            self._malformed(st, f"seq {seq}: the index refused it: {e}")
+            return
         except Exception:
             log.exception("kv events %s: index write failed at seq %d; re-synchronising", _name(st), seq)
             self._count(st, "index_errors")

@@ -474,6 +474,8 @@ dialect: Dialect, ev: BlockStored, i: int, lora_paths: dict[str, str], events_ha
     entry = ev.extra_keys[i] if isinstance(ev.extra_keys, list) and i < len(ev.extra_keys) else None
     if not entry:
         return None, True
+    if not isinstance(entry, list):
+        raise _UnknownKeys(f"block {i}'s extra keys are a {type(entry).__name__}, not a list")
     out: list[Any] = []
     for j, item in enumerate(entry):
         if j == 0 and ev.lora_name is not None and item == ev.lora_name:
