@@ -20,7 +20,14 @@ watching the client connection:
   to decode at the first body chunk.
 
 A failure after the response started cannot change its status: an SSE stream gets a
-final ``data: {"error": ...}`` event (what vLLM itself sends) and is then closed.
+final ``data: {"error": ...}`` event (what vLLM itself sends) and is then closed. For
+that event to be an event of its own, an SSE stream is relayed whole events at a time
+(:class:`EventCut`): bytes that do not yet complete an event wait for the rest (an
+engine writes whole events, so they wait only when a read ends inside one), and when
+the engine fails, what is left of its half event is dropped instead of being glued to
+the error. A stream that ends without vLLM's closing ``data: [DONE]`` (vLLM sends it
+after every stream, errors included) was cut short: it gets the error event too, never
+a silent 200.
 
 Headers cross in both directions through allow-lists, so hop-by-hop headers
 (``Connection``, ``Keep-Alive``, ``Transfer-Encoding``, ``TE``, ``Upgrade``,
@@ -63,6 +70,10 @@ _CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
 _NO_BYTE_ERRORS = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
 """The connection failed before any response byte arrived: safe to try elsewhere."""
 _TIMEOUTS = (asyncio.TimeoutError, aiohttp.ServerTimeoutError)
+MAX_HELD_EVENT_BYTES = 16 * 1024 * 1024
+"""Most bytes of one unfinished SSE event held back; a longer event is passed on as it
+comes (vLLM's largest, a first chunk with prompt logprobs, stays well below)."""
+_DONE_LINES = (b"data: [DONE]", b"data:[DONE]")
 
 
 def forwarded_headers(headers: Mapping[str, str]) -> dict[str, str]:
@@ -95,6 +106,87 @@ def relayed_headers(raw: Any) -> list[tuple[bytes, bytes]]:
         hop = {t.strip() for t in connection.split(b",")}
         out = [(k, v) for k, v in out if k not in hop]
     return out
+
+
+def _event_end(data: bytes) -> int:
+    """Where the last SSE event completed in ``data`` ends (0: none): after an empty line,
+    i.e. two line ends in a row, each a CRLF, an LF or a CR. A CR last may be the first
+    half of a CRLF; cutting there is still a boundary (a CR alone ends a line)."""
+    end = 0
+    for sep in (b"\n\n", b"\r\r", b"\n\r", b"\r\r\n", b"\n\r\n"):
+        i = data.rfind(sep)
+        if i >= 0 and i + len(sep) > end:
+            end = i + len(sep)
+    return end
+
+
+class EventCut:
+    """An SSE byte stream cut at event boundaries for relaying (see the module docstring).
+
+    :meth:`feed` returns the bytes that can go to the client: everything up to the last
+    event boundary seen, so the client's stream always ends on one unless an event
+    outgrew :data:`MAX_HELD_EVENT_BYTES` (``mid_event``). Bytes are never changed,
+    reordered or duplicated: concatenated, what :meth:`feed` returned plus ``held`` is
+    exactly what was fed. ``done`` tells whether the last complete event was ``[DONE]``.
+    """
+
+    __slots__ = ("held", "held_bytes", "recent", "mid_event", "done")
+
+    def __init__(self) -> None:
+        self.held: list[bytes] = []
+        self.held_bytes = 0
+        self.recent = b""
+        """The last two bytes fed: a boundary can start in the previous chunk."""
+        self.mid_event = False
+        self.done = False
+
+    def feed(self, chunk: bytes) -> bytes:
+        if not chunk:
+            return chunk
+        if not self.held and chunk.endswith(b"\n\n"):  # whole events, the usual read
+            self.recent = chunk[-2:]
+            self.mid_event = False
+            self._saw(chunk)
+            return chunk
+        lead = self.recent
+        self.recent = (lead + chunk[-2:])[-2:]
+        end = _event_end(lead + chunk) - len(lead)
+        if end <= 0:
+            self.held.append(chunk)
+            self.held_bytes += len(chunk)
+            if self.held_bytes <= MAX_HELD_EVENT_BYTES:
+                return b""
+            out = b"".join(self.held)
+            self.held, self.held_bytes, self.mid_event = [], 0, True
+            return out
+        out = b"".join((*self.held, chunk[:end])) if self.held else chunk[:end]
+        rest = chunk[end:]
+        self.held, self.held_bytes, self.mid_event = ([rest] if rest else []), len(rest), False
+        self._saw(out)
+        return out
+
+    def _saw(self, events: bytes) -> None:
+        """Note whether the last event of ``events`` (which end at a boundary) is ``[DONE]``.
+
+        Reads the last 32 bytes, not the chunk: a line without a line end among them is
+        longer than ``data: [DONE]``, unless blank lines pad the end (then it looks further)."""
+        tail = events[-32:]
+        last = tail.rstrip(b"\r\n")
+        if len(last) < 14 and len(tail) < len(events):
+            last = events.rstrip(b"\r\n")
+        if last:
+            start = max(last.rfind(b"\n"), last.rfind(b"\r")) + 1
+            self.done = last[start:] in _DONE_LINES
+
+    @property
+    def complete(self) -> bool:
+        """The stream may end here: its last event is ``[DONE]`` and nothing follows it."""
+        return self.done and not self.held and not self.mid_event
+
+    def error_event(self, message: str) -> bytes:
+        """The router's closing error event; after an oversized half event, a blank line first ends it."""
+        event = b"data: " + error_body(message, "server_error", "upstream_error") + b"\n\n"
+        return b"\n\n" + event if self.mid_event else event
 
 
 class ProxyResponse(Response):
@@ -361,6 +453,7 @@ class ProxyResponse(Response):
         self, send: Send, backend: BackendState, ticket: Ticket, upstream: aiohttp.ClientResponse, headers: list[tuple[bytes, bytes]]
     ) -> int:
         chunks = upstream.content.iter_any().__aiter__()
+        cut = EventCut() if upstream.content_type == "text/event-stream" else None
         try:
             # The status line and headers go out with the first chunk, not before it: one
             # write to the client instead of two, which on a busy host is a wake-up saved on
@@ -372,8 +465,12 @@ class ProxyResponse(Response):
             ticket.first_token()
             await send({"type": "http.response.start", "status": 200, "headers": headers})
             self._response_started = True
-            await send({"type": "http.response.body", "body": first, "more_body": True})
+            await send({"type": "http.response.body", "body": first if cut is None else cut.feed(first), "more_body": True})
             async for chunk in chunks:
+                if cut is not None:
+                    chunk = cut.feed(chunk)
+                    if not chunk:
+                        continue
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except (aiohttp.ClientError, *_TIMEOUTS) as e:
             kind = "timeout" if isinstance(e, _TIMEOUTS) else "reset"
@@ -383,8 +480,16 @@ class ProxyResponse(Response):
                 error = UpstreamTimeout(message) if kind == "timeout" else UpstreamError(message)
                 await error_response(error)({"type": "http"}, _no_receive, send)
                 return error.status
-            event = error_body(message, "server_error", "upstream_error")
-            await send({"type": "http.response.body", "body": b"data: " + event + b"\n\n", "more_body": False})
+            event = (cut or EventCut()).error_event(message)
+            await send({"type": "http.response.body", "body": event, "more_body": False})
+            return 502
+        if cut is not None and not cut.complete:
+            backend.record_failure("stream ended without [DONE]")
+            metrics.child(metrics.UPSTREAM_FAILURES, backend.name, "truncated").inc()
+            log.warning("backend %s: stream ended without [DONE] (%d bytes of an unfinished event dropped)",
+                        backend.name, cut.held_bytes)
+            event = cut.error_event(f"backend {backend.name} ended the stream early")
+            await send({"type": "http.response.body", "body": event, "more_body": False})
             return 502
         backend.record_success()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
