@@ -10,6 +10,13 @@ for stores and removals but makes their clears (restarts, lost history) race.
 Serves ``GET /health`` (200 while the ingest thread runs and Redis answers, else 503
 with the reason), ``GET /metrics`` (the subscriber's Prometheus series) and
 ``GET /debug/streams`` (every stream's :class:`StreamStats`).
+
+``/debug/*`` takes the router's admin key, read from the same config file
+(``router.admin_api_key``, or ``KVROUTER_ADMIN_API_KEY``), with the router's rules: with
+an admin key it must be sent (``Authorization: Bearer KEY``); with only a client key
+(``router.api_key``) it is closed (403); with no key at all it is open, for local use.
+``/health`` and ``/metrics`` stay open, as the router's do. The Redis URL is logged and
+reported with its password shown as ``***``.
 """
 
 from __future__ import annotations
@@ -24,11 +31,12 @@ from dataclasses import asdict
 
 import redis
 import uvicorn
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from indexer.redis_index import RedisIndex
+from kvconfig import RouterSettings, bearer_matches, redact_url
 from indexer.subscriber import FleetSubscriber, specs_from_config
 from indexer.verify import verifiers_from_config
 
@@ -47,9 +55,26 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
-def create_app(subscriber: FleetSubscriber, index: RedisIndex, registry: CollectorRegistry, redis_url: str) -> FastAPI:
-    """The indexer's small HTTP surface; the lifespan starts and stops ingestion."""
+def _error(status: int, message: str, code: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "code": code}}, status_code=status)
+
+
+def admin_refusal(keys: RouterSettings, authorization: str | None) -> JSONResponse | None:
+    """Why a ``/debug/*`` request may not be answered (None: it may), by the router's rules."""
+    if keys.admin_api_key is not None:
+        if not bearer_matches(authorization, keys.admin_api_key.get_secret_value().encode()):
+            return _error(401, "Incorrect admin API key provided.", "invalid_api_key")
+    elif keys.api_key is not None:
+        return _error(403, "Admin endpoints are disabled: the config has no admin_api_key.", "admin_disabled")
+    return None
+
+
+def create_app(subscriber: FleetSubscriber, index: RedisIndex, registry: CollectorRegistry, redis_url: str,
+               keys: RouterSettings | None = None) -> FastAPI:
+    """The indexer's small HTTP surface; the lifespan starts and stops ingestion.
+    ``keys``: the config's ``router`` section, whose keys guard ``/debug/*``."""
     probe = redis.Redis.from_url(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+    keys = keys or RouterSettings()
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -78,7 +103,10 @@ def create_app(subscriber: FleetSubscriber, index: RedisIndex, registry: Collect
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/debug/streams")
-    async def streams() -> JSONResponse:
+    async def streams(request: Request) -> JSONResponse:
+        refusal = admin_refusal(keys, request.headers.get("authorization"))
+        if refusal is not None:
+            return refusal
         stats = await asyncio.to_thread(subscriber.stats)
         return JSONResponse(
             [{"backend": w.backend, "dp_rank": w.dp_rank, **asdict(s)} for w, s in sorted(stats.items())]
@@ -112,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         redis.Redis.from_url(url, socket_timeout=5.0, socket_connect_timeout=5.0).ping()
     except (redis.RedisError, ValueError) as e:
-        print(f"cannot reach Redis at {url}: {e}", file=sys.stderr)
+        print(f"cannot reach Redis at {redact_url(url)}: {e}", file=sys.stderr)
         return 2
     namespace = args.namespace or config.index_namespace
     if namespace != config.index_namespace:
@@ -122,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
     registry = CollectorRegistry()
     subscriber = FleetSubscriber(index, specs, verifiers=verifiers, dead_grace_s=args.dead_grace_s,
                                  metrics_registry=registry)
-    log.info("ingesting %d event streams into %s (namespace %s)", len(specs), url, namespace)
-    uvicorn.run(create_app(subscriber, index, registry, url), host=args.host, port=args.port,
+    log.info("ingesting %d event streams into %s (namespace %s)", len(specs), redact_url(url), namespace)
+    uvicorn.run(create_app(subscriber, index, registry, url, config.router), host=args.host, port=args.port,
                 log_level=args.log_level, access_log=False)
     return 0

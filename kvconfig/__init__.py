@@ -11,7 +11,9 @@ DESIGN.md; fields beyond it are optional extensions with safe defaults.
 
 from __future__ import annotations
 
+import hmac
 import logging
+import re
 from pathlib import Path
 from typing import Annotated, Literal
 from urllib.parse import urlsplit
@@ -198,7 +200,7 @@ class Config(_Strict):
     @classmethod
     def _index_kind(cls, v: str) -> str:
         if v != "memory" and not v.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"index must be 'memory' or a Redis URL (redis://host:6379/0), got {v!r}")
+            raise ValueError(f"index must be 'memory' or a Redis URL (redis://host:6379/0), got {redact_url(v)!r}")
         return v
 
     @model_validator(mode="after")
@@ -229,6 +231,26 @@ class Config(_Strict):
             if m.name == name or any(a.name == name for a in m.lora_adapters):
                 return m
         return None
+
+
+_USERINFO_PASSWORD = re.compile(r"(^|//)([^/?#@:]*):[^/?#@]*@")
+_QUERY_PASSWORD = re.compile(r"(?i)([?&](?:password|passwd|pass)=)[^&#]*")
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password (``user:PASSWORD@`` or ``?password=``) shown as ``***``,
+    for logs, error messages and anything served: a Redis URL often carries one."""
+    return _QUERY_PASSWORD.sub(r"\1***", _USERINFO_PASSWORD.sub(r"\1\2:***@", url))
+
+
+def bearer_matches(authorization: str | None, key: bytes) -> bool:
+    """Whether an ``Authorization`` header value is ``Bearer <key>`` (the scheme in any
+    case, RFC 9110), compared with :func:`hmac.compare_digest` so the time taken does not
+    depend on how many leading characters of a guess were right. Servers decode header
+    bytes as latin-1, so encoding back gives the bytes sent."""
+    if authorization is None or authorization[:7].lower() != "bearer ":
+        return False
+    return hmac.compare_digest(authorization[7:].strip().encode("latin-1"), key)
 
 
 class ConfigError(Exception):

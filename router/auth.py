@@ -25,10 +25,9 @@ from collections.abc import Mapping
 
 from pydantic import SecretStr
 
+from kvconfig import bearer_matches
 from router.config import RouterSettings
 from router.errors import Forbidden, Unauthorized
-
-_BEARER = "bearer "
 
 
 def _secret(key: SecretStr | None) -> bytes | None:
@@ -36,12 +35,7 @@ def _secret(key: SecretStr | None) -> bytes | None:
 
 
 def _matches(headers: Mapping[str, str], key: bytes) -> bool:
-    """Whether ``Authorization: Bearer <key>`` was sent (the scheme in any case, RFC 9110)."""
-    value = headers.get("authorization")
-    if value is None or value[:7].lower() != _BEARER:
-        return False
-    # Starlette decodes header bytes as latin-1: encoding back gives the bytes sent.
-    return hmac.compare_digest(value[7:].strip().encode("latin-1"), key)
+    return bearer_matches(headers.get("authorization"), key)
 
 
 class Access:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -19,12 +21,12 @@ from indexer.redis_index import RedisIndex
 from kvconfig import load_config
 from router.app import _warn_if_unfilled
 from kvpub import EnginePublisher
-from support import KVROUTER, QWEN3_DIR, Proc, free_port, wait_http
+from support import KVROUTER, QWEN3_DIR, Proc, free_port, wait_http, wait_port
 
 MODEL = "qwen3-0.6b"
 
 
-def write_config(path: Path, engine: EnginePublisher, redis_url: str, **extra: str) -> Path:
+def write_config(path: Path, engine: EnginePublisher, redis_url: str, **extra: object) -> Path:
     config = {
         "models": [{
             "name": MODEL, "tokenizer": str(QWEN3_DIR), "block_size": 16, "hash_algo": "sha256",
@@ -136,4 +138,95 @@ def test_a_router_warns_at_start_when_its_namespace_holds_none_of_its_models(
         assert caplog.text == ""
     finally:
         index.close()
+        engine.close()
+
+
+# -- /debug/* behind the admin key, no Redis password in sight (issue 17, hardening) ----------
+
+ADMIN_KEY = "sk-indexer-admin-" + uuid.uuid4().hex
+CLIENT_KEY = "sk-indexer-client-" + uuid.uuid4().hex
+REDIS_PASSWORD = "pw-" + uuid.uuid4().hex
+
+
+@pytest.fixture
+def locked_redis(tmp_path: Path) -> Iterator[str]:
+    """A real redis-server that wants a password; its URL carries it."""
+    exe = shutil.which("redis-server")
+    assert exe is not None, "redis-server is not installed: `make test` installs it with apt-get"
+    port = free_port()
+    args = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            "--dir", str(tmp_path), "--requirepass", REDIS_PASSWORD]
+    with Proc(args, tmp_path / "redis.log"):
+        wait_port(port, timeout=20)
+        yield f"redis://:{REDIS_PASSWORD}@127.0.0.1:{port}/0"
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {key}"}
+
+
+def test_indexer_debug_takes_the_admin_key_and_never_shows_the_redis_password(tmp_path: Path, locked_redis: str) -> None:
+    engine = EnginePublisher(topic=b"")
+    config = write_config(tmp_path / "fleet.yaml", engine, locked_redis, router={"api_key": CLIENT_KEY})
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        with Proc([*KVROUTER, "indexer", "--config", str(config), "--port", str(port)], tmp_path / "indexer.log",
+                  env={"KVROUTER_ADMIN_API_KEY": ADMIN_KEY}) as proc:
+            wait_http(url + "/health", timeout=60, proc=proc.popen)
+            answers = []
+            for headers in ({}, bearer(CLIENT_KEY), bearer(ADMIN_KEY + "x"), {"authorization": ADMIN_KEY}):
+                r = httpx.get(url + "/debug/streams", headers=headers)
+                assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
+                answers.append(r.text)
+            r = httpx.get(url + "/debug/streams", headers=bearer(ADMIN_KEY))
+            assert r.status_code == 200 and r.json()[0]["backend"] == "engine-0"
+            answers.append(r.text)
+            for path in ("/health", "/metrics"):
+                r = httpx.get(url + path)
+                assert r.status_code == 200, r.text
+                answers.append(r.text)
+            log = proc.log()
+            assert "into redis://:***@127.0.0.1" in log
+            everything = log + "".join(answers)
+            assert REDIS_PASSWORD not in everything and ADMIN_KEY not in everything and CLIENT_KEY not in everything
+    finally:
+        engine.close()
+
+
+def test_indexer_debug_is_closed_with_only_a_client_key(tmp_path: Path, redis_url: str) -> None:
+    engine = EnginePublisher(topic=b"")
+    config = write_config(tmp_path / "fleet.yaml", engine, redis_url, router={"api_key": CLIENT_KEY})
+    port = free_port()
+    try:
+        with Proc([*KVROUTER, "indexer", "--config", str(config), "--port", str(port)], tmp_path / "indexer.log",
+                  env={"KVROUTER_ADMIN_API_KEY": ""}) as proc:
+            wait_http(f"http://127.0.0.1:{port}/health", timeout=60, proc=proc.popen)
+            for headers in ({}, bearer(CLIENT_KEY)):
+                r = httpx.get(f"http://127.0.0.1:{port}/debug/streams", headers=headers)
+                assert r.status_code == 403 and r.json()["error"]["code"] == "admin_disabled", r.text
+    finally:
+        engine.close()
+
+
+def test_a_wrong_redis_password_is_reported_without_the_password(tmp_path: Path, locked_redis: str) -> None:
+    engine = EnginePublisher(replay=False)
+    wrong = locked_redis.replace(REDIS_PASSWORD, "not-" + REDIS_PASSWORD)
+    try:
+        config = write_config(tmp_path / "fleet.yaml", engine, wrong)
+        with Proc([*KVROUTER, "indexer", "--config", str(config)], tmp_path / "indexer.log") as proc:
+            assert proc.popen.wait(60) == 2
+            assert "cannot reach Redis at redis://:***@127.0.0.1" in proc.log() and REDIS_PASSWORD not in proc.log()
+    finally:
+        engine.close()
+
+
+def test_a_config_error_does_not_print_the_index_password(tmp_path: Path) -> None:
+    engine = EnginePublisher(replay=False)
+    try:
+        config = write_config(tmp_path / "fleet.yaml", engine, f"redis//:{REDIS_PASSWORD}@127.0.0.1:6379/0")
+        with Proc([*KVROUTER, "indexer", "--config", str(config)], tmp_path / "indexer.log") as proc:
+            assert proc.popen.wait(60) == 2
+            assert "index must be" in proc.log() and REDIS_PASSWORD not in proc.log()
+    finally:
         engine.close()
