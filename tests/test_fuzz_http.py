@@ -492,10 +492,10 @@ def test_an_unknown_path_is_an_openai_404(fleet: Fleet) -> None:
 
 def test_a_method_the_path_does_not_take_is_an_openai_405_naming_the_allowed_ones(fleet: Fleet) -> None:
     """Starlette answered ``{"detail": "Method Not Allowed"}`` (found by this fuzz)."""
-    for method, path, allow in (("GET", "/v1/completions", "POST"), ("DELETE", "/debug/backends", "HEAD, GET"),
-                                ("POST", "/health", "HEAD, GET")):
+    for method, path, allow in (("GET", "/v1/completions", {"POST"}), ("DELETE", "/debug/backends", {"HEAD", "GET"}),
+                                ("POST", "/health", {"HEAD", "GET"})):
         r = fleet.client.request(method, path, headers={"authorization": f"Bearer {ADMIN_KEY}"})
-        assert r.status_code == 405 and r.headers["allow"] == allow, r.text
+        assert r.status_code == 405 and set(r.headers["allow"].split(", ")) == allow, r.text
         assert openai_error(r.content)["code"] == "method_not_allowed"
 
 
