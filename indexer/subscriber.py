@@ -781,6 +781,7 @@ class FleetSubscriber:
         log.warning("kv events %s: publisher restarted (%s); worker cleared", _name(st), why)
         self._clear(st)
         st.expected = None
+        st.stats.last_seq = None  # the new publisher's seqs start over: nothing of it applied yet
         st.recent.clear()
 
     def _resync(self, st: _Stream) -> None:
@@ -803,6 +804,7 @@ class FleetSubscriber:
         self._clear(st)
         st.stats.dead = True
         st.expected = None
+        st.stats.last_seq = None  # /debug/backends must not report a dead incarnation's progress
         st.recent.clear()
         st.replay = None
         self._close_dealer(st)

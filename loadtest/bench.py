@@ -247,8 +247,9 @@ class PolicyRun:
 def run_policy(workload: Workload, spec: FleetSpec | VllmSpec, policy: str, workdir: Path, *, speedup: float,
                sample_interval_s: float, progress: bool, weights: dict[str, Any] | None = None,
                live: VllmFleet | None = None) -> PolicyRun:
-    """One policy (kvrouter's, or a peer's ``vllm-router:POLICY``) on a fresh fleet and router;
-    returns its results.json entry and plot data."""
+    """One policy (kvrouter's, or a peer's ``vllm-router:POLICY``) on a fresh router and a fresh
+    simulated fleet (or ``live``, the real one, caches emptied); returns its results.json entry
+    and plot data."""
     slug = policy.replace(":", "-")
     if policy in EXACT_STATE_POLICIES and isinstance(spec, FleetSpec):
         spec = replace(spec, sim_args=[*spec.sim_args, SIDE_CHANNEL_ARG])
@@ -312,8 +313,9 @@ def _router(fleet: EngineFleet, policy: str, workdir: Path, weights: dict[str, A
 
 
 def _engine_requests(engine_metrics: dict[str, dict[str, float]]) -> dict[str, int]:
-    """Requests per engine from its own counter, for a router that does not name the backend
-    it picked (vllm-router): the fleet is fresh, so the counter holds this run's requests only."""
+    """Requests per engine from its own counter (``engine_metrics`` are this run's differences):
+    every run reports it, and a router that does not name the backend it picked (vllm-router)
+    gets its per-backend counts from it."""
     return {name: int(m.get("vllm:request_success_total", 0)) for name, m in sorted(engine_metrics.items())}
 
 

@@ -59,9 +59,12 @@ def free_port_run(n: int, host: str = "127.0.0.1") -> int:
 class Child:
     """One child process with its log file; :meth:`stop` terminates, then kills after a grace.
 
-    ``group=True`` starts it in a process group of its own and signals the whole group:
-    a real vLLM server forks an engine-core process that would outlive a killed parent.
-    ``unset`` names variables of this process's environment the child must not inherit.
+    ``group=True`` starts it in a process group (and session) of its own and signals the
+    whole group: a real vLLM server forks an engine-core process that would outlive a killed
+    parent. Such a child no longer gets the terminal's Ctrl-C, so it is also started with a
+    parent-death signal: if this process dies without stopping it, the kernel sends it
+    SIGTERM (and vLLM's server then stops its engine core). ``unset`` names variables of
+    this process's environment the child must not inherit.
     """
 
     def __init__(self, name: str, args: list[str], log_path: Path, env: dict[str, str] | None = None,
@@ -73,6 +76,8 @@ class Child:
         self._log = open(log_path, "wb")
         full_env = {k: v for k, v in os.environ.items() if k not in unset}
         full_env |= {"PYTHONUNBUFFERED": "1", **(env or {})}
+        if group and sys.platform == "linux":
+            args = [sys.executable, "-c", _DIE_WITH_PARENT, *args]
         self.popen = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=full_env,
                                       cwd=cwd, stdin=subprocess.DEVNULL, start_new_session=group)
 
@@ -86,14 +91,21 @@ class Child:
         except OSError:
             return ""
 
-    def stop(self, grace: float = 5.0) -> None:
+    def terminate(self) -> None:
         if self.popen.poll() is None:
             self._signal(signal.SIGTERM)
-            try:
-                self.popen.wait(grace)
-            except subprocess.TimeoutExpired:
-                self._signal(signal.SIGKILL)
-                self.popen.wait(grace)
+
+    def wait_or_kill(self, grace: float) -> None:
+        try:
+            self.popen.wait(grace)
+        except subprocess.TimeoutExpired:
+            self._signal(signal.SIGKILL)
+            self.popen.wait(grace)
+
+    def stop(self, grace: float = 5.0) -> None:
+        if self.popen.poll() is None:
+            self.terminate()
+            self.wait_or_kill(grace)
         if self.group:
             self._signal(signal.SIGKILL)  # whatever of the group outlived its leader
         if not self._log.closed:
@@ -108,6 +120,15 @@ class Child:
         except ProcessLookupError:
             pass
 
+
+_DIE_WITH_PARENT = (
+    "import ctypes, os, signal, sys; "
+    "ctypes.CDLL(None).prctl(1, signal.SIGTERM); "  # PR_SET_PDEATHSIG
+    "os.getppid() == 1 and sys.exit(1); "  # the parent died before prctl
+    "os.execvp(sys.argv[1], sys.argv[1:])"
+)
+"""Exec the real command with a parent-death signal set (a ``preexec_fn`` is unsafe in a
+process with threads, which the bench and the tests have)."""
 
 PORT_RETRIES = 3
 

