@@ -35,7 +35,7 @@ test: install redis vllm
 	$(BIN)/python -m pytest -q -ra
 
 # The fuzz suites at full size (issue 17: 12,200 HTTP requests, 120,000 event payloads,
-# 3,000 SSE scripts; about 6 minutes on 2 cores). `make test` runs them bounded.
+# 3,000 SSE scripts; about 7 minutes on 2 cores). `make test` runs them bounded.
 fuzz: install redis
 	KVROUTER_FUZZ_FULL=1 $(BIN)/python -m pytest -q -s tests/test_fuzz_http.py tests/test_fuzz_events.py tests/test_fuzz_sse.py
 

@@ -177,7 +177,7 @@ def chunk_event(rng: random.Random, size: int = 0) -> bytes:
     return json.dumps(doc, ensure_ascii=rng.random() < 0.3).encode()
 
 
-def frame(rng: random.Random, data: bytes, eol: bytes) -> bytes:
+def frame(data: bytes, eol: bytes) -> bytes:
     return b"data: " + data + eol + eol
 
 
@@ -208,11 +208,11 @@ def draw_script(rng: random.Random) -> Script:
     for _ in range(rng.randint(0, 12)):
         roll = rng.random()
         if roll < 0.7:
-            events.append(frame(rng, chunk_event(rng), eol))
+            events.append(frame(chunk_event(rng), eol))
         elif roll < 0.95:
             events.append(malformed(rng, eol))
         else:
-            events.append(frame(rng, chunk_event(rng, rng.choice([70_000, 300_000, 2_000_000])), eol))
+            events.append(frame(chunk_event(rng, rng.choice([70_000, 300_000, 2_000_000])), eol))
     if rng.random() < 0.7:
         events.append(b"data: [DONE]" + eol + eol)
     if rng.random() < 0.15 and events:  # the last event loses its end
