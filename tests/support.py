@@ -216,3 +216,42 @@ def sse_events(raw: bytes) -> tuple[list[bytes], bytes]:
         if field == b"data":
             data.append(value[1:] if value.startswith(b" ") else value)
     return events, raw[event_end:]
+
+
+def golden_batches() -> list[bytes]:
+    """The 0.33 block-manager trace's batches up to (not including) its final prefix-cache reset."""
+    import json
+
+    out = []
+    for line in (GOLDEN / "blockmanager_trace_vllm-0.33.0.jsonl").read_text().splitlines():
+        d = json.loads(line)
+        if d["kind"] == "events":
+            if d["op"] == "reset_prefix_cache":
+                break
+            out.append(bytes.fromhex(d["payload_hex"]))
+    return out
+
+
+def mutate_bytes(rng: random.Random, data: bytes, splice_from: list[bytes]) -> bytes:
+    """1-4 byte-level mutations of ``data``: bit flips, byte sets, truncation, insertion, deletion,
+    or a splice onto the tail of another payload from ``splice_from`` (the event fuzzers' mutator)."""
+    b = bytearray(data)
+    for _ in range(rng.randint(1, 4)):
+        op = rng.randrange(6)
+        if op == 0 and b:
+            b[rng.randrange(len(b))] ^= 1 << rng.randrange(8)
+        elif op == 1 and b:
+            b[rng.randrange(len(b))] = rng.randrange(256)
+        elif op == 2:
+            del b[rng.randrange(len(b) + 1) :]
+        elif op == 3:
+            i = rng.randrange(len(b) + 1)
+            b[i:i] = rng.randbytes(rng.randint(1, 9))
+        elif op == 4 and b:
+            i = rng.randrange(len(b))
+            del b[i : i + rng.randint(1, 16)]
+        else:
+            other = rng.choice(splice_from)
+            b = b[: rng.randrange(len(b) + 1)] + other[rng.randrange(len(other) + 1) :]
+    return bytes(b)
+

@@ -8,7 +8,6 @@ counted and skipped without stopping ingestion.
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Iterator
 from contextlib import closing, contextmanager
 
@@ -19,7 +18,7 @@ from indexer.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBat
 from indexer.index import MemoryIndex, Worker
 from indexer.subscriber import FleetSubscriber, StreamSpec, StreamStats
 from kvpub import EnginePublisher, LossyRelay
-from support import GOLDEN, wait_for
+from support import golden_batches, wait_for
 
 MODEL = "m"
 WORKER = Worker("engine-0", 0)
@@ -74,18 +73,6 @@ def subscribed(endpoint: str, replay: str | None, registry: CollectorRegistry,
         yield index, sub
     finally:
         sub.stop()
-
-
-def golden_batches() -> list[bytes]:
-    """The 0.33 block-manager trace's batches up to (not including) its final prefix-cache reset."""
-    out = []
-    for line in (GOLDEN / "blockmanager_trace_vllm-0.33.0.jsonl").read_text().splitlines():
-        d = json.loads(line)
-        if d["kind"] == "events":
-            if d["op"] == "reset_prefix_cache":
-                break
-            out.append(bytes.fromhex(d["payload_hex"]))
-    return out
 
 
 def true_cache(payloads: list[bytes]) -> tuple[set[int], set[int]]:

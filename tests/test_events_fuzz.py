@@ -29,7 +29,7 @@ from indexer.events import (
     to_expected_json,
     to_keys,
 )
-from support import GOLDEN
+from support import GOLDEN, mutate_bytes
 
 SEEDS = [
     bytes.fromhex(json.loads(line)["payload_hex"])
@@ -60,27 +60,7 @@ def _check(payload: bytes) -> bool:
 
 
 def _mutate(rng: random.Random, data: bytes) -> bytes:
-    b = bytearray(data)
-    for _ in range(rng.randint(1, 4)):
-        op = rng.randrange(6)
-        if op == 0 and b:
-            i = rng.randrange(len(b))
-            b[i] ^= 1 << rng.randrange(8)
-        elif op == 1 and b:
-            b[rng.randrange(len(b))] = rng.randrange(256)
-        elif op == 2:
-            del b[rng.randrange(len(b) + 1):]
-        elif op == 3:
-            i = rng.randrange(len(b) + 1)
-            b[i:i] = rng.randbytes(rng.randint(1, 9))
-        elif op == 4 and b:
-            i = rng.randrange(len(b))
-            del b[i:i + rng.randint(1, 16)]
-        else:
-            other = rng.choice(SEEDS)
-            i, j = rng.randrange(len(b) + 1), rng.randrange(len(other) + 1)
-            b = b[:i] + other[j:]
-    return bytes(b)
+    return mutate_bytes(rng, data, SEEDS)
 
 
 def _value(rng: random.Random, depth: int = 0) -> object:

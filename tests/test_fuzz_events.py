@@ -57,7 +57,8 @@ from indexer.redis_index import RedisIndex
 from indexer.subscriber import FleetSubscriber, StreamSpec
 from indexer.verify import SETTLE_AFTER, HashVerifier
 from kvpub import EnginePublisher
-from support import GOLDEN, fuzz_cases, wait_for
+import support
+from support import GOLDEN, fuzz_cases, golden_batches, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -77,45 +78,15 @@ def golden_payloads() -> list[bytes]:
     return out
 
 
-def clean_batches() -> list[bytes]:
-    """The 0.33 block-manager trace's batches up to (not including) its final prefix-cache reset."""
-    out = []
-    for line in (GOLDEN / "blockmanager_trace_vllm-0.33.0.jsonl").read_text().splitlines():
-        d = json.loads(line)
-        if d["kind"] == "events":
-            if d["op"] == "reset_prefix_cache":
-                break
-            out.append(bytes.fromhex(d["payload_hex"]))
-    return out
-
-
 SEEDS = golden_payloads()
-CLEAN_BATCHES = clean_batches()
+CLEAN_BATCHES = golden_batches()
 
 
 # -- mutations -----------------------------------------------------------------------------
 
 
 def mutate_bytes(rng: random.Random, data: bytes) -> bytes:
-    b = bytearray(data)
-    for _ in range(rng.randint(1, 4)):
-        op = rng.randrange(6)
-        if op == 0 and b:
-            b[rng.randrange(len(b))] ^= 1 << rng.randrange(8)
-        elif op == 1 and b:
-            b[rng.randrange(len(b))] = rng.randrange(256)
-        elif op == 2:
-            del b[rng.randrange(len(b) + 1) :]
-        elif op == 3:
-            i = rng.randrange(len(b) + 1)
-            b[i:i] = rng.randbytes(rng.randint(1, 9))
-        elif op == 4 and b:
-            i = rng.randrange(len(b))
-            del b[i : i + rng.randint(1, 16)]
-        else:
-            other = rng.choice(SEEDS)
-            b = b[: rng.randrange(len(b) + 1)] + other[rng.randrange(len(other) + 1) :]
-    return bytes(b)
+    return support.mutate_bytes(rng, data, SEEDS)
 
 
 def odd_value(rng: random.Random, depth: int = 0) -> Any:
