@@ -12,6 +12,7 @@ import os
 import random
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -254,4 +255,66 @@ def mutate_bytes(rng: random.Random, data: bytes, splice_from: list[bytes]) -> b
             other = rng.choice(splice_from)
             b = b[: rng.randrange(len(b) + 1)] + other[rng.randrange(len(other) + 1) :]
     return bytes(b)
+
+
+class LoopbackEngine:
+    """An OpenAI-shaped engine on a loopback port, served by aiohttp from a thread of its own,
+    for tests that need an engine to answer in ways the simulator does not (record headers,
+    cut or mangle streams). A subclass adds its endpoints in :meth:`routes`; ``/health`` and
+    ``/v1/models`` answer like an engine with nothing to say."""
+
+    APP_OPTIONS: dict[str, Any] = {}
+    RUNNER_OPTIONS: dict[str, Any] = {}
+
+    def __init__(self) -> None:
+        from aiohttp import web
+
+        self.port = free_port()
+        self._loop = asyncio.new_event_loop()
+        self._runner: web.AppRunner | None = None
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def routes(self, app: Any) -> None:
+        raise NotImplementedError
+
+    async def _health(self, _: Any) -> Any:
+        from aiohttp import web
+
+        return web.json_response({})
+
+    async def _models(self, _: Any) -> Any:
+        from aiohttp import web
+
+        return web.json_response({"object": "list", "data": []})
+
+    async def _start(self) -> None:
+        from aiohttp import web
+
+        app = web.Application(**self.APP_OPTIONS)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/v1/models", self._models)
+        self.routes(app)
+        self._runner = web.AppRunner(app, access_log=None, **self.RUNNER_OPTIONS)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+
+    def __enter__(self) -> Any:
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
+        return self
+
+    def stop(self) -> None:
+        """Stop listening (the engine goes away); the thread stays until :meth:`__exit__`."""
+        if self._runner is not None:
+            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
+            self._runner = None
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
 

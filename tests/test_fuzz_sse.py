@@ -32,7 +32,6 @@ import asyncio
 import json
 import random
 import re
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -46,7 +45,7 @@ from hypothesis import strategies as st
 
 from router import proxy
 from router.proxy import EventCut
-from support import QWEN3_DIR, RouterProc, free_port, fuzz_cases, openai_error, sse_events
+from support import QWEN3_DIR, LoopbackEngine, RouterProc, fuzz_cases, openai_error, sse_events
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -74,19 +73,15 @@ class Script:
         return b"".join(self.pieces)
 
 
-class ScriptedEngine:
+class ScriptedEngine(LoopbackEngine):
     """An OpenAI-shaped engine on a loopback port; ``scripts[prompt]`` says how to answer."""
 
-    def __init__(self) -> None:
-        self.port = free_port()
-        self.scripts: dict[str, Script] = {}
-        self._loop = asyncio.new_event_loop()
-        self._runner: web.AppRunner | None = None
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+    APP_OPTIONS = {"client_max_size": 1 << 20}
+    RUNNER_OPTIONS = {"handler_cancellation": True}
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+    def __init__(self) -> None:
+        super().__init__()
+        self.scripts: dict[str, Script] = {}
 
     async def _stream(self, request: web.Request) -> web.StreamResponse:
         body = json.loads(await request.read())
@@ -112,32 +107,9 @@ class ScriptedEngine:
             transport.abort()
         return response
 
-    async def _health(self, _: web.Request) -> web.Response:
-        return web.json_response({})
-
-    async def _models(self, _: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": []})
-
-    async def _start(self) -> None:
-        app = web.Application(client_max_size=1 << 20)
-        app.router.add_get("/health", self._health)
-        app.router.add_get("/v1/models", self._models)
+    def routes(self, app: web.Application) -> None:
         app.router.add_post("/v1/completions", self._stream)
         app.router.add_post("/v1/chat/completions", self._stream)
-        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
-
-    def __enter__(self) -> "ScriptedEngine":
-        self._thread.start()
-        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._runner is not None:
-            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(5)
 
 
 @dataclass

@@ -14,11 +14,9 @@ Three routers, one per key set-up (see router/auth.py for the table):
 
 from __future__ import annotations
 
-import asyncio
 import ipaddress
 import json
 import socket
-import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,7 +28,7 @@ import pytest
 from aiohttp import web
 
 from router.config import ConfigError, load_config, parse_config
-from support import QWEN3_DIR, REPO, RouterProc, free_port
+from support import QWEN3_DIR, REPO, LoopbackEngine, RouterProc
 
 pytestmark = pytest.mark.slow
 
@@ -45,7 +43,7 @@ POST_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/tok
 ADMIN_PATHS = (("POST", "/debug/route"), ("GET", "/debug/backends"))
 
 
-class EchoEngine:
+class EchoEngine(LoopbackEngine):
     """An OpenAI-shaped engine on a loopback port that remembers what it was sent.
 
     ``seen[x-request-id]`` holds each request's headers (lower-cased names, every value);
@@ -62,16 +60,9 @@ class EchoEngine:
     }
 
     def __init__(self) -> None:
-        self.port = free_port()
+        super().__init__()
         self.seen: dict[str, list[tuple[str, str]]] = {}
         self.health_auth: str | None = None
-        self._loop = asyncio.new_event_loop()
-        self._runner: web.AppRunner | None = None
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
 
     def headers_of(self, rid: str) -> dict[str, list[str]]:
         out: dict[str, list[str]] = {}
@@ -82,9 +73,6 @@ class EchoEngine:
     async def _health(self, request: web.Request) -> web.Response:
         self.health_auth = request.headers.get("authorization")
         return web.json_response({})
-
-    async def _models(self, _: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": []})
 
     async def _answer(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()
@@ -105,30 +93,9 @@ class EchoEngine:
         await response.write_eof()
         return response
 
-    async def _start(self) -> None:
-        app = web.Application()
-        app.router.add_get("/health", self._health)
-        app.router.add_get("/v1/models", self._models)
+    def routes(self, app: web.Application) -> None:
         for path in ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/tokenize", "/detokenize"):
             app.router.add_post(path, self._answer)
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
-
-    def __enter__(self) -> "EchoEngine":
-        self._thread.start()
-        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
-        return self
-
-    def stop(self) -> None:
-        if self._runner is not None:
-            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
-            self._runner = None
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(5)
 
 
 def config(backends: list[dict[str, Any]], models: dict[str, list[str]] | None = None, **router: Any) -> dict[str, Any]:
