@@ -266,9 +266,16 @@ class EngineFleet:
         return {"models": [self.model_config()], "router": router, "index": "memory"}
 
     def reset_caches(self) -> None:
-        """Empty every engine's prefix cache (vLLM's ``POST /reset_prefix_cache``)."""
+        """Empty every engine's prefix cache (vLLM's ``POST /reset_prefix_cache``).
+
+        vLLM refuses (``{"success": false}``) while a request holds blocks; a run must not
+        start on a cache the last one left, so that is an error, not a warning.
+        """
         for e in self.engines:
-            httpx.post(e.url + "/reset_prefix_cache", timeout=30.0).raise_for_status()
+            r = httpx.post(e.url + "/reset_prefix_cache", timeout=30.0)
+            r.raise_for_status()
+            if r.headers.get("content-type", "").startswith("application/json") and r.json().get("success") is False:
+                raise FleetError(f"{e.name} refused to reset its prefix cache (a request still holds blocks)")
 
 
 class Fleet(EngineFleet, _Supervised):

@@ -39,7 +39,10 @@ def test_bench_on_real_engines_reports_each_policy_on_its_own(vllm_env: VllmEnv,
         assert sum(run["engine_requests"].values()) == REQUESTS, run["engine_requests"]
         # The engines' prefix-cache counters, as differences, say what the clients were told.
         assert run["engine_prefix_hit_ratio"] == pytest.approx(run["cached_ratio"], abs=1e-9), run
-    # Multi-turn chats hit the cache; the same policy on emptied caches does not hit more than before.
+    # Multi-turn chats hit the cache, but a conversation's first turn, which the first run
+    # already sent, finds nothing: the engines' caches were emptied between policies.
     assert runs[1]["cached_ratio"] > 0
-    assert runs[2]["cached_ratio"] <= runs[0]["cached_ratio"] + 0.05, (runs[0]["cached_ratio"], runs[2]["cached_ratio"])
+    records = [json.loads(line) for line in (out / "logs" / "records-kv_aware.jsonl").read_text().splitlines()]
+    first_turns = [r for r in records if r["turn"] == 0]
+    assert first_turns and all(r["cached_tokens"] == 0 for r in first_turns), first_turns
     assert (out / "report.md").read_text().count("| round_robin |") == 2
