@@ -502,12 +502,12 @@ def configure(p: argparse.ArgumentParser) -> None:
 def options_from_args(args: argparse.Namespace) -> BenchOptions:
     path = args.trace or str(SAMPLE_TRACES[args.workload])
     fmt = args.format or (None if args.trace else args.workload)
+    spec = _spec_from_args(args)  # before the workload: a wrong flag fails fast, not after tokenizing
     wl = load_workload(args, path, fmt)
     names = args.policies if args.policies is not None else SIM_DEFAULT_POLICIES if args.fleet == "sim" else DEFAULT_POLICIES
     policies = [x.strip() for x in names.split(",") if x.strip()] + parse_peers(args.peer)
     if not policies:
         raise WorkloadError("--policies names no policy")
-    spec = _spec_from_args(args)
     if spec.backends < 1:
         raise WorkloadError("--backends must be >= 1")
     exact = [p for p in policies if p in EXACT_STATE_POLICIES]
@@ -526,6 +526,10 @@ def _spec_from_args(args: argparse.Namespace) -> FleetSpec | VllmSpec:
     if args.speedup != 1.0 or args.sim_arg or args.cpu_offload_blocks:
         raise WorkloadError("--fleet vllm runs real engines in real time: --speedup, --sim-arg and "
                             "--cpu-offload-blocks are for simulated engines")
+    if Path(args.tokenizer).resolve() != Path(workloads.DEFAULT_TOKENIZER).resolve():
+        # The engines' model directory carries the shipped tokenizer; a router told another would
+        # hash other ids than the engines do, silently.
+        raise WorkloadError("--fleet vllm serves the shipped Qwen3 tokenizer: --tokenizer cannot change it")
     return VllmSpec(backends=args.backends or 2, model=args.model or "qwen3-real", tokenizer=args.tokenizer,
                     num_blocks=args.num_blocks)
 

@@ -132,9 +132,7 @@ def word_vocab(tokenizer_path: str = str(DEFAULT_TOKENIZER)) -> tuple[int, ...]:
     that text at the spaces into the very same tokens, so text prompts built from them
     tokenize to exactly the ids that were drawn.
     """
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(Path(tokenizer_path) / "tokenizer.json"))
+    tok = _hf_tokenizer(str(tokenizer_path))
     word = re.compile(r"Ġ[a-z]{3,9}")
     cand = sorted(i for s, i in tok.get_vocab().items() if word.fullmatch(s))
     texts = [tok.decode([i]) for i in cand]

@@ -76,26 +76,24 @@ def test_indexer_process_fills_redis_and_serves_health_and_metrics(tmp_path: Pat
         engine.close()
 
 
-def test_indexer_refuses_a_config_without_redis(tmp_path: Path) -> None:
+def refused_log(tmp_path: Path, index: str) -> str:
+    """``kvrouter indexer`` on a config whose ``index`` is ``index``: it must exit 2; its log."""
     engine = EnginePublisher(replay=False)
     try:
-        config = write_config(tmp_path / "fleet.yaml", engine, "memory")
+        config = write_config(tmp_path / "fleet.yaml", engine, index)
         with Proc([*KVROUTER, "indexer", "--config", str(config)], tmp_path / "indexer.log") as proc:
             assert proc.popen.wait(60) == 2
-            assert "--redis" in proc.log()
+            return proc.log()
     finally:
         engine.close()
+
+
+def test_indexer_refuses_a_config_without_redis(tmp_path: Path) -> None:
+    assert "--redis" in refused_log(tmp_path, "memory")
 
 
 def test_indexer_says_when_redis_is_unreachable(tmp_path: Path) -> None:
-    engine = EnginePublisher(replay=False)
-    try:
-        config = write_config(tmp_path / "fleet.yaml", engine, f"redis://127.0.0.1:{free_port()}/0")
-        with Proc([*KVROUTER, "indexer", "--config", str(config)], tmp_path / "indexer.log") as proc:
-            assert proc.popen.wait(60) == 2
-            assert "cannot reach Redis" in proc.log()
-    finally:
-        engine.close()
+    assert "cannot reach Redis" in refused_log(tmp_path, f"redis://127.0.0.1:{free_port()}/0")
 
 
 def test_indexer_writes_the_namespace_the_config_names(tmp_path: Path, redis_url: str) -> None:
@@ -210,23 +208,10 @@ def test_indexer_debug_is_closed_with_only_a_client_key(tmp_path: Path, redis_ur
 
 
 def test_a_wrong_redis_password_is_reported_without_the_password(tmp_path: Path, locked_redis: str) -> None:
-    engine = EnginePublisher(replay=False)
-    wrong = locked_redis.replace(REDIS_PASSWORD, "not-" + REDIS_PASSWORD)
-    try:
-        config = write_config(tmp_path / "fleet.yaml", engine, wrong)
-        with Proc([*KVROUTER, "indexer", "--config", str(config)], tmp_path / "indexer.log") as proc:
-            assert proc.popen.wait(60) == 2
-            assert "cannot reach Redis at redis://:***@127.0.0.1" in proc.log() and REDIS_PASSWORD not in proc.log()
-    finally:
-        engine.close()
+    log = refused_log(tmp_path, locked_redis.replace(REDIS_PASSWORD, "not-" + REDIS_PASSWORD))
+    assert "cannot reach Redis at redis://:***@127.0.0.1" in log and REDIS_PASSWORD not in log
 
 
 def test_a_config_error_does_not_print_the_index_password(tmp_path: Path) -> None:
-    engine = EnginePublisher(replay=False)
-    try:
-        config = write_config(tmp_path / "fleet.yaml", engine, f"redis//:{REDIS_PASSWORD}@127.0.0.1:6379/0")
-        with Proc([*KVROUTER, "indexer", "--config", str(config)], tmp_path / "indexer.log") as proc:
-            assert proc.popen.wait(60) == 2
-            assert "index must be" in proc.log() and REDIS_PASSWORD not in proc.log()
-    finally:
-        engine.close()
+    log = refused_log(tmp_path, f"redis//:{REDIS_PASSWORD}@127.0.0.1:6379/0")
+    assert "index must be" in log and REDIS_PASSWORD not in log
