@@ -246,7 +246,7 @@ class PolicyRun:
 
 def run_policy(workload: Workload, spec: FleetSpec | VllmSpec, policy: str, workdir: Path, *, speedup: float,
                sample_interval_s: float, progress: bool, weights: dict[str, Any] | None = None,
-               live: VllmFleet | None = None) -> PolicyRun:
+               live: VllmFleet | None = None, label: str | None = None) -> PolicyRun:
     """One policy (kvrouter's, or a peer's ``vllm-router:POLICY``) on a fresh router and a fresh
     simulated fleet (or ``live``, the real one, caches emptied); returns its results.json entry
     and plot data."""
@@ -258,7 +258,7 @@ def run_policy(workload: Workload, spec: FleetSpec | VllmSpec, policy: str, work
         ttft_before = _engine_buckets(fleet, "vllm:time_to_first_token_seconds")
         sampler = EngineSampler(fleet, sample_interval_s, spec.speedup)
         replayer = Replayer(router.url, spec.model, speedup=speedup, time_scale=spec.speedup)
-        res = _run_with_progress(replayer, workload, sampler, policy, progress)
+        res = _run_with_progress(replayer, workload, sampler, label or policy, progress)
         # A peer has no /debug/route, and its /metrics proxies an engine's page.
         kvrouter = isinstance(router, Router)
         overhead = probe_overhead(router.url, list(workload.turns()), spec.model) if kvrouter else None
@@ -401,6 +401,8 @@ class BenchOptions:
     title: str | None = None
     weights: dict[str, Any] | None = None
     """kv_aware cost weights for kvrouter's routers (``router.weights`` in the config)."""
+    repeats: int = 1
+    """Runs per policy; the report shows each figure's median (:func:`loadtest.report.median_run`)."""
 
 
 def run_bench(opt: BenchOptions) -> dict[str, Any]:
@@ -442,20 +444,28 @@ def _run_bench(opt: BenchOptions, work: Path, console: Any, live: VllmFleet | No
     scaled = wl.rate_scaled(rate_scale)
     ref = reference(wl, opt.spec)
     floor = percentiles(ref.ttft_floor_s)
-    runs: list[dict[str, Any]] = []
-    traces: list[report.PolicyTrace] = []
-    for policy in opt.policies:
-        pr = run_policy(scaled, opt.spec, policy, work, speedup=opt.speedup,
-                        sample_interval_s=opt.sample_interval_s, progress=opt.progress, weights=opt.weights, live=live)
-        pr.result["ideal_cached_ratio"] = ref.cached_ratio
-        pr.result["ttft_floor_s"] = floor if ref.ttft_floor_s else None
-        runs.append(pr.result)
-        traces.append(pr.trace)
+    if opt.repeats > 1:
+        meta["repeats"] = f"{opt.repeats} per policy, interleaved; every figure is the median of its repeats"
+    reps: dict[str, list[dict[str, Any]]] = {p: [] for p in opt.policies}
+    traces: dict[str, report.PolicyTrace] = {}
+    # Repeats go round the policies (1 2 3, 1 2 3, ...) rather than policy by policy, so a
+    # slow spell on a shared machine lands on every policy alike instead of on one.
+    for rep in range(opt.repeats):
+        rep_dir = work if opt.repeats == 1 else work / f"rep{rep + 1}"
+        for policy in opt.policies:
+            label = policy if opt.repeats == 1 else f"{policy} ({rep + 1}/{opt.repeats})"
+            pr = run_policy(scaled, opt.spec, policy, rep_dir, speedup=opt.speedup, label=label,
+                            sample_interval_s=opt.sample_interval_s, progress=opt.progress, weights=opt.weights, live=live)
+            pr.result["ideal_cached_ratio"] = ref.cached_ratio
+            pr.result["ttft_floor_s"] = floor if ref.ttft_floor_s else None
+            reps[policy].append(pr.result)
+            traces.setdefault(policy, pr.trace)  # the plots show the first repeat
+    runs = [report.median_run(reps[p]) for p in opt.policies]
     report.add_oracle_gains(runs)
     results = {"meta": meta, "runs": runs}
     (opt.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     title = opt.title or f"{wl.name}, {opt.spec.backends} engines"
-    plots = report.write_plots(opt.out, traces, title, ref.cached_ratio, opt.plot_prefix, floor=ref.ttft_floor_s)
+    plots = report.write_plots(opt.out, list(traces.values()), title, ref.cached_ratio, opt.plot_prefix, floor=ref.ttft_floor_s)
     report.write_markdown(opt.out / "report.md", meta, runs, plots)
     return results
 
@@ -489,6 +499,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks per engine (default: the simulator's)")
     p.add_argument("--cpu-offload-blocks", type=int, default=0, help="CPU KV tier per engine, blocks (default 0: GPU only)")
     p.add_argument("--model", default=None, help="served model name (default qwen3-sim, or qwen3-real)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs per policy, interleaved; the report shows medians (default 1)")
     p.add_argument("--sim-arg", action="append", default=[], help="extra argument for kvrouter sim (repeatable)")
     p.add_argument("--sample-interval", type=float, default=0.5, help="engine /metrics scrape period, wall s")
     p.add_argument("--plot-prefix", default="", help="prefix of the PNG file names")
@@ -510,12 +522,14 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         raise WorkloadError("--policies names no policy")
     if spec.backends < 1:
         raise WorkloadError("--backends must be >= 1")
+    if args.repeats < 1:
+        raise WorkloadError("--repeats must be >= 1")
     exact = [p for p in policies if p in EXACT_STATE_POLICIES]
     if exact and isinstance(spec, VllmSpec):
         raise WorkloadError(f"{', '.join(exact)} read the simulator's exact engine state: not with --fleet vllm")
     return BenchOptions(Path(args.out), wl, spec, policies, args.speedup, args.target_load, args.rate_scale,
                         sample_interval_s=args.sample_interval, progress=not args.quiet,
-                        plot_prefix=args.plot_prefix, weights=parse_weights(args.kv_weight))
+                        plot_prefix=args.plot_prefix, weights=parse_weights(args.kv_weight), repeats=args.repeats)
 
 
 def _spec_from_args(args: argparse.Namespace) -> FleetSpec | VllmSpec:

@@ -8,6 +8,7 @@ are engine seconds (see :mod:`loadtest.replay` on clocks).
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,47 @@ fraction of the oracle's, at the client and at the engines (:func:`add_oracle_ga
 
 ORACLE = "oracle"
 BASELINE = "round_robin"
+
+
+SUMMED = frozenset({"requests", "completed", "errors"})
+"""Counts that add up over repeats (the table's ``errors`` column reads "errors/requests" over all runs)."""
+SPREAD = {"ttft_p90": ("ttft_s", "p90"), "engine_ttft_p90": ("engine_ttft_s", "p90"),
+          "cached_ratio": ("cached_ratio",), "load_imbalance": ("load_imbalance",)}
+"""The headline figures whose every repeat ``median_run`` keeps, so a report shows the spread behind a median."""
+
+
+def median_run(reps: list[dict[str, Any]]) -> dict[str, Any]:
+    """One policy's repeats folded into one results.json entry: every number is the median of
+    its repeats (nested dicts such as ``ttft_s`` key by key), counts in :data:`SUMMED` are
+    summed, and anything else (names, lists) is the first repeat's.
+
+    Medians, not means: on a small shared machine one repeat now and then is slowed by
+    something else, and a mean would carry that outlier into the table. ``repeats`` keeps each
+    repeat's headline figures (:data:`SPREAD`)."""
+    if len(reps) == 1:
+        return reps[0]
+    out = _median_of(reps)
+    for k in SUMMED:
+        out[k] = sum(r[k] for r in reps)
+    out["repeats"] = {name: [_dig(r, path) for r in reps] for name, path in SPREAD.items()}
+    return out
+
+
+def _median_of(values: list[Any]) -> Any:
+    first = values[0]
+    if isinstance(first, dict):
+        keys = [k for k in first if all(isinstance(v, dict) and k in v for v in values)]
+        return {k: _median_of([v[k] for v in values]) for k in keys}
+    # A repeat that could not measure a figure (None) is left out of its median.
+    nums = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    return statistics.median(nums) if nums else first
+
+
+def _dig(run: dict[str, Any], path: tuple[str, ...]) -> Any:
+    v: Any = run
+    for k in path:
+        v = (v or {}).get(k)
+    return v
 
 
 def add_oracle_gains(runs: list[dict[str, Any]], base: str = BASELINE, oracle: str = ORACLE) -> None:
