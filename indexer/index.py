@@ -106,6 +106,9 @@ class Index(Protocol):
     def block_counts(self, model: str) -> dict[Worker, int]:
         """(block, medium) entries held per worker."""
 
+    def worker_keys(self, model: str) -> dict[Worker, set[int]]:
+        """Every key each worker holds, any medium (a full copy: debugging and the chaos suite)."""
+
     def memory_bytes(self) -> int:
         """Bytes the index occupies (an accounted estimate; see each implementation)."""
 
@@ -369,6 +372,24 @@ class MemoryIndex:
                 if n:
                     w = mi.workers[slot]
                     out[w] = out.get(w, 0) + n
+            return out
+
+    def worker_keys(self, model: str) -> dict[Worker, set[int]]:
+        """Every key each worker holds, any medium: the whole picture, for ``/debug/index``.
+
+        A full copy taken under the lock (a debug and test aid, never on a request's path):
+        the chaos suite (:mod:`loadtest.chaos`) compares it with each engine's true cache."""
+        with self._lock:
+            mi = self._models.get(model)
+            if mi is None:
+                return {}
+            out: dict[Worker, set[int]] = {}
+            for table in mi.tables.values():
+                for key, mask in table.items():
+                    while mask:
+                        low = mask & -mask
+                        out.setdefault(mi.workers[low.bit_length() - 1], set()).add(key)
+                        mask ^= low
             return out
 
     def memory_bytes(self) -> int:

@@ -524,6 +524,24 @@ class RedisIndex:
                 out[Worker(backend, rank)] = n
         return out
 
+    def worker_keys(self, model: str) -> dict[Worker, set[int]]:
+        """Every key each live worker holds, any medium (:meth:`MemoryIndex.worker_keys`'s
+        contract): ``HGETALL`` of every mask page, a debug and test aid for small indexes."""
+        reg, _, media = self._layout(model)
+        workers = {int(slot): Worker(*json.loads(wid)) for wid, slot in reg.items()}
+        prefix = self._prefix(model)
+        out: dict[Worker, set[int]] = {}
+        for medium in media:
+            for page in sorted({s // _PAGE for s in workers}):
+                for field, raw in self._redis.hgetall(f"{prefix}h:{medium}\n{page}").items():
+                    key = struct.unpack(">Q", field)[0]
+                    mask = int(raw) & 0xFFFFFFFF
+                    for bit in range(_PAGE):
+                        worker = workers.get(page * _PAGE + bit)
+                        if mask >> bit & 1 and worker is not None:
+                            out.setdefault(worker, set()).add(key)
+        return out
+
     def models(self) -> set[str]:
         """The models this namespace holds blocks of (ever written by some indexer)."""
         return {m.decode() for m in self._redis.smembers(f"{self._ns}:models")}

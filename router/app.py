@@ -268,7 +268,7 @@ class Router:
         else:
             await _warn_if_unfilled(self.index, self.config)
         self._unregister_metrics = metrics.register_fleet(
-            metrics.FleetCollector(self.pool, self.loads, self.stream_stats, self.stream_registry)
+            metrics.FleetCollector(self.pool, self.loads, self.stream_stats, self.stream_registry, self.background)
         )
         self.pool.open()
         await self.pool.check_all()
@@ -1149,6 +1149,18 @@ def create_app(config: Config, index: Index | None = None) -> Endpoints:
         if request.query_params.get("include_tokens", "").lower() in ("1", "true", "yes"):
             answer["token_ids"] = prepared.token_ids
         return _json(answer)
+
+    @route("/debug/index", "GET")
+    async def debug_index(request: Request) -> Response:
+        """Every block key the index holds per worker (``?model=``, default the first): the
+        chaos suite's comparison with the engines' true caches. A full copy: small fleets only."""
+        access.admin(request.headers)
+        model = request.query_params.get("model") or next(iter(router.models))
+        if model not in router.models:
+            raise UnknownModel(f"The model `{model}` does not exist.")
+        held = await asyncio.to_thread(router.index.worker_keys, model)
+        workers = [{"backend": w.backend, "dp_rank": w.dp_rank, "keys": sorted(keys)} for w, keys in sorted(held.items())]
+        return _json({"model": model, "workers": workers})
 
     @route("/debug/backends", "GET")
     async def debug_backends(request: Request) -> Response:

@@ -68,6 +68,11 @@ class Background:
         with self._lock:
             self.queued -= 1
 
+    @property
+    def tasks(self) -> int:
+        """Tasks spawned here and not finished (a soak watches it stay flat)."""
+        return len(self._tasks)
+
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         """Run ``coro`` as a task the router keeps a reference to until it ends."""
         task = asyncio.create_task(coro)

@@ -8,6 +8,7 @@ live objects, so the hot path never updates a gauge.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +19,7 @@ from prometheus_client.registry import Collector
 if TYPE_CHECKING:
     from indexer.index import Worker
     from indexer.subscriber import StreamStats
+    from router.background import Background
     from router.backends import BackendPool
     from router.load import LoadTracker
 
@@ -112,11 +114,13 @@ class FleetCollector(Collector):
         loads: LoadTracker,
         stream_stats: Callable[[], dict[Worker, StreamStats]],
         stream_registry: CollectorRegistry | None = None,
+        background: Background | None = None,
     ) -> None:
         self.pool = pool
         self.loads = loads
         self.stream_stats = stream_stats
         self.stream_registry = stream_registry
+        self.background = background
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         fams = {
@@ -153,9 +157,25 @@ class FleetCollector(Collector):
             blocks.add_metric(lv, float(st.blocks))
         yield last_seq
         yield blocks
+        yield from self._runtime()
         if self.stream_registry is not None:
             # The subscriber's counters (gaps, replays, connected, rehash mode, ...).
             yield from self.stream_registry.collect()
+
+
+    def _runtime(self) -> Iterator[GaugeMetricFamily]:
+        """Counts that must stay flat over a long run (``kvrouter chaos --soak`` samples them):
+        background jobs and tasks, and the event loop's tasks (scraped on the loop's thread)."""
+        if self.background is not None:
+            yield GaugeMetricFamily("kvrouter_background_jobs", "Jobs queued or running on the background thread",
+                                    value=float(self.background.queued))
+            yield GaugeMetricFamily("kvrouter_background_tasks", "Tasks waiting on background work",
+                                    value=float(self.background.tasks))
+        try:
+            tasks = len(asyncio.all_tasks())
+        except RuntimeError:  # scraped off the event loop (a test's registry): no loop to count
+            return
+        yield GaugeMetricFamily("kvrouter_asyncio_tasks", "Tasks alive on the router's event loop", value=float(tasks))
 
 
 def register_fleet(collector: FleetCollector) -> Callable[[], None]:
