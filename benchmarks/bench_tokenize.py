@@ -97,7 +97,7 @@ def main() -> None:
     print(f"{'case':40} {'tokens':>7} {'render ms':>10} {'segment ms':>11} {'full ms':>9} {'full/segment':>13}")
     for name, n, r, s, f in rows:
         print(f"{name:40} {n:7d} {r:10.3f} {s:11.3f} {f:9.3f} {f / s:12.2f}x")
-    print(f"segment cache: {len(tok._cache)} segments, {tok._cache.tokens} tokens")
+    print(f"segment cache: {len(tok.segments.cache)} segments, {tok.segments.cache.tokens} tokens")
 
 
 if __name__ == "__main__":

@@ -237,9 +237,9 @@ def test_tool_loops_teach_only_prefixes_of_every_continuation(qwen3: PromptToken
 def test_shared_tokens_counts_up_to_the_last_added_token_certainly_shared(qwen3: PromptTokenizer) -> None:
     a = "hello <|im_start|>user\n" + "x" * 40 + "<|im_end|>\n<|im_start|>assistant\n" + "more words " * 5
     full = qwen3.encode(a)
-    start, end = qwen3._added["<|im_start|>"], qwen3._added["<|im_end|>"]
+    start, end = qwen3.segments.added["<|im_start|>"], qwen3.segments.added["<|im_end|>"]
     last = len(full) - 1 - full[::-1].index(start)
-    longest = max(map(len, qwen3._added))
+    longest = max(map(len, qwen3.segments.added))
     at = a.rindex("<|im_start|>")
     after = at + len("<|im_start|>")
     # Differing far enough after the last <|im_start|>: everything through it is shared.

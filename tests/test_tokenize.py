@@ -106,8 +106,8 @@ def test_runtime_check_disables_the_segment_path_on_a_mismatch() -> None:
     body = {"model": "m", "messages": [{"role": "user", "content": "Hello there, general Kenobi"}]}
     expected = tok.chat_ids(body)
     assert tok.segment_enabled
-    for key in list(tok._cache._entries):
-        tok._cache.put(key, [0, 1, 2])
+    for key in tok.segments.cache.keys():
+        tok.segments.cache.put(key, [0, 1, 2])
     assert tok.chat_ids(body) == expected
     assert not tok.segment_enabled
     assert _metric("kvrouter_tokenizer_segment_mismatches_total", model="runtime-check") == 1

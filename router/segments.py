@@ -1,0 +1,345 @@
+"""Tokenize only the parts of a prompt not seen before, with the ids full tokenization gives.
+
+Tokenization costs 1.3-1.8 µs per token, while most traffic re-sends a long history. HF
+tokenizers cut the text at added/special tokens *before* normalising and
+pre-tokenizing, so the text between two added tokens (one chat message between
+``<|im_start|>`` and ``<|im_end|>``) tokenizes independently of its neighbours.
+:class:`SegmentTokenizer` splits a prompt at added tokens and keeps each segment's ids
+in a bounded LRU keyed by the segment's 128-bit xxh3; only new segments are tokenized.
+
+Invariant: ``SegmentTokenizer.encode(text) == tokenizer.encode(text,
+add_special_tokens=False)``. Tokenizers whose added tokens or pre-tokenizer make a
+segment depend on its position are detected at load and keep full tokenization, and a
+sampled share of requests is also fully tokenized and compared at run time
+(:meth:`SegmentTokenizer.check`): a mismatch is counted and turns the segment path off
+for that model.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import re
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import xxhash
+from prometheus_client import Counter
+
+log = logging.getLogger(__name__)
+
+SEGMENT_CHECKS = Counter(
+    "kvrouter_tokenizer_segment_checks_total",
+    "Requests tokenized both by segment cache and in full to verify the segment path",
+    ["model"],
+)
+SEGMENT_MISMATCHES = Counter(
+    "kvrouter_tokenizer_segment_mismatches_total",
+    "Segment-cache tokenizations that differed from full tokenization (segment path then disabled)",
+    ["model"],
+)
+SEGMENT_TOKENS = Counter(
+    "kvrouter_tokenizer_segment_tokens_total",
+    "Prompt tokens served by the segment path, by whether their segment was cached",
+    ["model", "result"],
+)
+
+DEFAULT_SEGMENT_CACHE_TOKENS = 8_000_000
+"""LRU bound in cached token ids (about 8 bytes each in a Python list of small ints
+plus the list overhead per segment): ~100 MB at the default."""
+
+GIL_FREE_CHARS = 2048
+"""Segments at least this long are tokenized with ``encode_batch([segment])``: HF tokenizers'
+``encode`` holds the GIL for the whole call, ``encode_batch`` releases it. A cold 30k-token
+segment takes ~30 ms, during which ``encode`` froze the event loop (every stream the router
+relays) and the KV-event thread; measured with a spinning thread beside it, the spinner kept
+12% of its speed under ``encode`` and all of its share of the cores under ``encode_batch``.
+Short segments keep ``encode``: the batch call's set-up costs more than they take."""
+
+_PROBES = (
+    "Hello world",
+    " leading space",
+    "trailing space ",
+    "\n\nnew lines\n",
+    "  \tmixed \r\n whitespace  ",
+    "café naïve 你好 👋🏽",
+    "x",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Scan:
+    """:meth:`router.tokenize.PromptTokenizer.scan`: ``head`` are the exact ids of
+    ``text[:head_chars]``; ``complete``: the cache held every segment, and ``head`` is the
+    whole prompt's ids."""
+
+    uncached_chars: int
+    head: list[int]
+    head_chars: int
+    complete: bool = False
+
+
+class SegmentCache:
+    """Bounded LRU of segment ids keyed by xxh3-128 of the segment text.
+
+    Invariant: the sum of the cached lists' lengths stays <= ``max_tokens``. Thread-safe;
+    cached lists are never mutated after insertion (callers copy by ``extend``).
+    """
+
+    def __init__(self, max_tokens: int = DEFAULT_SEGMENT_CACHE_TOKENS) -> None:
+        self.max_tokens = max_tokens
+        self._entries: OrderedDict[int, list[int]] = OrderedDict()
+        self._tokens = 0
+        self._lock = threading.Lock()
+
+    def get(self, key: int) -> list[int] | None:
+        with self._lock:
+            ids = self._entries.get(key)
+            if ids is not None:
+                self._entries.move_to_end(key)
+            return ids
+
+    def peek(self, key: int) -> list[int] | None:
+        """Like :meth:`get`, without refreshing the entry's LRU position."""
+        return self._entries.get(key)
+
+    def put(self, key: int, ids: list[int]) -> None:
+        if len(ids) > self.max_tokens:
+            return
+        with self._lock:
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self._tokens -= len(old)
+            self._entries[key] = ids
+            self._tokens += len(ids)
+            while self._tokens > self.max_tokens:
+                _, evicted = self._entries.popitem(last=False)
+                self._tokens -= len(evicted)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._tokens = 0
+
+    def keys(self) -> list[int]:
+        return list(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def tokens(self) -> int:
+        return self._tokens
+
+
+class SegmentTokenizer:
+    """The segment path for one HF tokenizer. All ids here are without special tokens;
+    :class:`router.tokenize.PromptTokenizer` adds those around them."""
+
+    def __init__(
+        self,
+        hf_tokenizer: Any,
+        *,
+        name: str,
+        cache_tokens: int = DEFAULT_SEGMENT_CACHE_TOKENS,
+        verify_rate: float = 0.01,
+        enabled: bool = True,
+        rng: random.Random | None = None,
+    ) -> None:
+        self._hf = hf_tokenizer
+        self.name = name
+        self.verify_rate = verify_rate
+        self._rng = rng or random.Random()
+        self.cache = SegmentCache(cache_tokens)
+        self._backend = getattr(hf_tokenizer, "backend_tokenizer", None)
+        self.added: dict[str, int] = {}
+        """Added token text -> id: the points where the text is cut into segments."""
+        self._split_re: re.Pattern[str] | None = None
+        self.disabled_reason: str | None = self._init() if enabled else "segment cache disabled by configuration"
+
+    def encode_full(self, text: str) -> list[int]:
+        """The reference: exactly the call vLLM makes (without special tokens), no cache."""
+        return list(self._hf.encode(text, add_special_tokens=False))
+
+    def encode(self, text: str, cache: bool = True) -> list[int]:
+        """``encode_full(text)``, tokenizing only the segments the cache lacks."""
+        ids: list[int] = []
+        hit = miss = 0
+        pos = 0
+        encode, encode_batch = self._backend.encode, self._backend.encode_batch
+        matches = self._split_re.finditer(text) if self._split_re is not None else ()
+        for m in (*matches, None):
+            end = m.start() if m is not None else len(text)
+            if end > pos:
+                segment = text[pos:end]
+                key = _segment_key(segment)
+                seg_ids = self.cache.get(key) if cache else None
+                if seg_ids is None:
+                    if len(segment) < GIL_FREE_CHARS:
+                        seg_ids = encode(segment, add_special_tokens=False).ids
+                    else:  # same pipeline, but Rust releases the GIL (see GIL_FREE_CHARS)
+                        seg_ids = encode_batch([segment], add_special_tokens=False)[0].ids
+                    miss += len(seg_ids)
+                    if cache:
+                        self.cache.put(key, seg_ids)
+                else:
+                    hit += len(seg_ids)
+                ids.extend(seg_ids)
+            if m is not None:
+                ids.append(self.added[m.group()])
+                pos = m.end()
+        if cache:
+            if hit:
+                SEGMENT_TOKENS.labels(self.name, "hit").inc(hit)
+            if miss:
+                SEGMENT_TOKENS.labels(self.name, "miss").inc(miss)
+        return ids
+
+    def scan(self, text: str) -> Scan:
+        """What the cache already holds of ``text``, without tokenizing anything: the
+        characters :meth:`encode` would still send to the tokenizer, and the exact ids of
+        the longest prefix made of cached segments (and the added tokens after them).
+        Head segments are refreshed in the LRU, the others only peeked at."""
+        head: list[int] = []
+        head_chars = missing = pos = 0
+        in_head = True
+        get, peek, added = self.cache.get, self.cache.peek, self.added
+        matches = self._split_re.finditer(text) if self._split_re is not None else ()
+        for m in (*matches, None):
+            end = m.start() if m is not None else len(text)
+            if end > pos:
+                ids = (get if in_head else peek)(_segment_key(text[pos:end]))
+                if ids is None:
+                    missing += end - pos
+                    in_head = False
+                elif in_head:
+                    head += ids
+            if m is not None:
+                pos = m.end()
+                if in_head:
+                    head.append(added[m.group()])
+                    head_chars = pos
+        if not in_head:
+            return Scan(missing, head, head_chars)
+        if head:  # the caller tokenizes nothing more (a partial head is counted by encode)
+            SEGMENT_TOKENS.labels(self.name, "hit").inc(len(head))
+        return Scan(0, head, len(text), complete=True)
+
+    def shared_tokens(self, text: str, other: str) -> tuple[int, int]:
+        """How many leading ids of ``text`` are certainly the leading ids of ``other`` too,
+        and the characters of ``text`` they cover: those up to the last added token both
+        texts have at the same place. (0, 0) when none are, or a segment is no longer cached."""
+        if self._split_re is None:
+            return 0, 0
+        n = best = pos = 0
+        peek = self.cache.peek
+        # Which added token matches at a position depends on the next ``longest`` chars
+        # (longer alternatives first), so only matches starting that far before the first
+        # difference are certainly the same in both texts.
+        limit = _common_prefix(text, other) - max(map(len, self.added))
+        for m in self._split_re.finditer(text):
+            if m.start() > limit:
+                break
+            if m.start() > pos:
+                ids = peek(_segment_key(text[pos : m.start()]))
+                if ids is None:
+                    break
+                n += len(ids)
+            n += 1
+            pos = m.end()
+            best = n
+        return (best, pos) if best else (0, 0)
+
+    def cut_outside_added(self, text: str, cut: int) -> int:
+        """``cut``, moved back to the start of an added token it would split."""
+        if self._split_re is not None:
+            longest = max(map(len, self.added))
+            for m in self._split_re.finditer(text, max(0, cut - longest), cut + longest):
+                if m.start() < cut < m.end():
+                    return m.start()
+        return cut
+
+    def wants_check(self) -> bool:
+        """Whether this request is one of the sampled checks against full tokenization."""
+        return self.disabled_reason is None and self.verify_rate > 0 and self._rng.random() < self.verify_rate
+
+    def check(self, text: str, ids: list[int]) -> list[int]:
+        """Compare segment ids with full tokenization; on a mismatch disable the segment
+        path and return the full ids."""
+        SEGMENT_CHECKS.labels(self.name).inc()
+        full = self.encode_full(text)
+        if ids != full:
+            SEGMENT_MISMATCHES.labels(self.name).inc()
+            self.disabled_reason = "runtime check found a segment/full mismatch"
+            self.cache.clear()
+            log.warning("tokenizer %s: segment-cached ids differ from full tokenization; segment path disabled", self.name)
+        return full
+
+    def _init(self) -> str | None:
+        """Set up the added-token splitter; return why the segment path is unsafe, or None."""
+        if self._backend is None:
+            return "tokenizer has no tokenizers backend"
+        if getattr(self._hf, "split_special_tokens", False):
+            return "split_special_tokens is set"
+        reason = _position_dependence(json.loads(self._backend.to_str()))
+        if reason is not None:
+            return reason
+        for tid, tok in self._backend.get_added_tokens_decoder().items():
+            if tok.lstrip or tok.rstrip or tok.single_word:
+                return f"added token {tok.content!r} strips or matches whole words"
+            if tok.normalized and self._backend.normalizer is not None:
+                return f"added token {tok.content!r} is matched after normalization"
+            self.added[tok.content] = tid
+        if self.added:
+            alternatives = sorted(self.added, key=len, reverse=True)
+            self._split_re = re.compile("|".join(re.escape(a) for a in alternatives))
+        for probe in _PROBES:
+            for text in (probe, f"{probe}<|x|>{probe}", *(f"{a}{probe}{a}" for a in list(self.added)[:3])):
+                if self.encode(text, cache=False) != self.encode_full(text):
+                    return f"segment and full tokenization differ on the probe {text!r}"
+        return None
+
+
+def _segment_key(segment: str) -> int:
+    return xxhash.xxh3_128_intdigest(segment.encode("utf-8", "surrogatepass"))
+
+
+def _common_prefix(a: str, b: str) -> int:
+    """Length of the longest common prefix (binary search: each probe is a C-speed compare)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _position_dependence(spec: dict[str, Any]) -> str | None:
+    """Why this tokenizer.json makes a segment's ids depend on where it sits, or None."""
+
+    def walk(node: Any) -> str | None:
+        if isinstance(node, dict):
+            kind = node.get("type")
+            if kind == "Metaspace" and node.get("prepend_scheme", "always") == "first":
+                return "Metaspace prepend_scheme 'first' (a prefix space only at the start)"
+            if kind == "Prepend":
+                return "Prepend normalizer"
+            if node.get("add_prefix_space") is True:
+                return f"{kind} add_prefix_space"
+            for v in node.values():
+                found = walk(v)
+                if found:
+                    return found
+        elif isinstance(node, list):
+            for v in node:
+                found = walk(v)
+                if found:
+                    return found
+        return None
+
+    return walk(spec.get("normalizer")) or walk(spec.get("pre_tokenizer"))
