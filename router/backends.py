@@ -32,6 +32,7 @@ Each backend owns two pooled keep-alive clients:
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -191,6 +192,24 @@ class BackendPool:
                 if not self.backends[name].health_ok:
                     on_down(name)
             await asyncio.sleep(self.settings.health_interval_s)
+
+    async def max_model_len(self, model: str, names: list[str]) -> int | None:
+        """``model``'s ``max_model_len`` from the first of ``names`` whose ``/v1/models``
+        lists it (best effort: the engine enforces its limit anyway)."""
+        for name in names:
+            status, body = await self.get(name).poll("/v1/models", 5.0)
+            if status != 200:
+                log.debug("max_model_len from %s failed: %s", name, status)
+                continue
+            try:
+                entries = json.loads(body).get("data", [])
+            except (ValueError, AttributeError) as e:
+                log.debug("max_model_len from %s: unreadable /v1/models: %r", name, e)
+                continue
+            for entry in entries if isinstance(entries, list) else []:
+                if isinstance(entry, dict) and entry.get("id") == model and isinstance(entry.get("max_model_len"), int):
+                    return entry["max_model_len"]
+        return None
 
     async def _check(self, b: BackendState) -> None:
         status, _ = await b.poll("/health", min(5.0, max(1.0, self.settings.health_interval_s)))

@@ -7,8 +7,8 @@ matches zero blocks, every backend ties on the cache, and the policy chooses by 
 So the router tokenizes only a short prefix of the text, hashes block 0 and looks it
 up; when nobody holds it (nor the router's own recent decisions), the request is sent
 at once and the full tokenization, hashing, speculative insertion and exact load
-accounting finish in the background (``Router.prepare(defer=True)`` routes it,
-``Router.settle_later`` finishes it).
+accounting finish in the background (:class:`router.plans.ColdHead` routes it,
+:mod:`router.settle` finishes it).
 
 The first ``n`` ids from a prefix are exact by construction: HF tokenizers cut the text
 at added tokens, then split it into pre-tokens (words) with a left-to-right regex, and
@@ -23,9 +23,9 @@ The same holds for the new turn of a conversation the router has seen. The segme
 cache (:meth:`PromptTokenizer.scan`) gives the exact ids of the history, every segment
 up to the first one it lacks; a backend cannot hold blocks past that point unless the
 new text was sent before, and this router tokenized none of it lately. So the request is
-routed on the history's blocks (outcome ``tail``) and the new turn, at most
-``INLINE_UNCACHED_CHARS`` of it, is tokenized in the background like a cold prompt's
-rest. Longer unseen tails take the probe or the full path: the cost of a miss grows
+routed on the history's blocks (outcome ``tail``, :class:`router.plans.SeenTail`) and
+the new turn, at most ``router.inline_tokenize_bytes`` characters of it, is tokenized in
+the background like a cold prompt's rest. Longer unseen tails take the probe or the full path: the cost of a miss grows
 with them, and a text sent through another router replica would be one.
 
 The router must still refuse prompts longer than ``max_model_len`` before sending
@@ -46,10 +46,6 @@ from prometheus_client import Counter
 from router.tokenize import PromptTokenizer
 
 log = logging.getLogger(__name__)
-
-MIN_CHARS = 2048
-"""Shorter prompts tokenize in well under a millisecond: the full path is cheaper than
-a probe plus a background job."""
 
 PROBE_CHARS = 256
 """First prefix tried; doubled until it yields a whole block (long words, CJK, runs of

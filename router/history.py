@@ -188,17 +188,23 @@ class HistoryMemo:
         return key in self._entries
 
     def find(self, chain: Chain) -> Hit | None:
-        """The longest prefix of the messages the memo holds an entry for."""
+        """The longest prefix of the messages the memo holds an entry for. Only reads:
+        planning (and ``/debug/route``) calls it; a request routed on the hit :meth:`touch`\es it."""
         if not self.enabled:
             return None
         entries = self._entries
         for j in range(len(chain.hashes), 0, -1):
             key = chain.hashes[j - 1]
-            entry = entries.pop(key, None)
+            entry = entries.get(key)
             if entry is not None:
-                entries[key] = entry  # most recently used: evicted last
                 return Hit(key, entry, j)
         return None
+
+    def touch(self, hit: Hit) -> None:
+        """Mark a hit's entry most recently used: it is evicted last."""
+        entry = self._entries.pop(hit.key, None)
+        if entry is not None:
+            self._entries[hit.key] = entry
 
     def put(self, key: int, entry: Entry) -> None:
         if not self.enabled or not entry.keys:

@@ -9,6 +9,7 @@ live objects, so the hot path never updates a gauge.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -176,6 +177,33 @@ class FleetCollector(Collector):
         except RuntimeError:  # scraped off the event loop (a test's registry): no loop to count
             return
         yield GaugeMetricFamily("kvrouter_asyncio_tasks", "Tasks alive on the router's event loop", value=float(tasks))
+
+
+class StreamView:
+    """The KV-event subscriber's per-worker stats as the request path and ``/debug`` read
+    them: re-read at most every :data:`STREAM_STATS_TTL_S` (each request asks whether its
+    model's streams are connected; the subscriber's stats take its lock)."""
+
+    def __init__(self) -> None:
+        self.subscriber: Any = None
+        self._stats: dict[Any, Any] = {}
+        self._at = 0.0
+
+    def stats(self) -> dict[Worker, StreamStats]:
+        if self.subscriber is None:
+            return {}
+        now = time.monotonic()
+        if now - self._at > STREAM_STATS_TTL_S:
+            self._stats = self.subscriber.stats()
+            self._at = now
+        return self._stats
+
+    def connected(self, backends: list[str]) -> bool:
+        """Whether any of ``backends`` has a connected event stream."""
+        return any(st.connected for w, st in self.stats().items() if w.backend in backends)
+
+
+STREAM_STATS_TTL_S = 0.5
 
 
 def register_fleet(collector: FleetCollector) -> Callable[[], None]:

@@ -44,7 +44,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -78,7 +79,7 @@ _DONE_LINES = (b"data: [DONE]", b"data:[DONE]")
 
 def forwarded_headers(headers: Mapping[str, str]) -> dict[str, str]:
     """The client's headers an engine gets: the allow-list, less what ``Connection`` names
-    (``Authorization`` is not on it: see ``ProxyResponse(client_authorization=...)``).
+    (``Authorization`` is not on it: see :attr:`Upstream.client_authorization`).
     Values are forwarded as they are: uvicorn's parsers (httptools, h11) refuse a request
     whose header holds a control character or a folded line, so none can reach here to
     split an upstream request."""
@@ -189,55 +190,57 @@ class EventCut:
         return b"\n\n" + event if self.mid_event else event
 
 
+@dataclass(frozen=True, slots=True)
+class Upstreams:
+    """Where proxied requests go: the backends' pools, their load accounting, the retry budget."""
+
+    pool: BackendPool
+    loads: LoadTracker
+    retries: int
+
+
+@dataclass(slots=True)
+class Upstream:
+    """One request as the proxy sends it: what to send, in which backend order, and what to
+    account for it (metrics labels, load, the decision's hooks)."""
+
+    path: str
+    body: bytes
+    headers: dict[str, str]
+    order: list[str]
+    """Backends to try, best first (a retry takes the next routable one)."""
+    model: str
+    policy: str
+    started: float
+    """When the body was received: the overhead clock (``kvrouter_overhead_seconds``)."""
+    stream: bool = False
+    keys: list[int] = field(default_factory=list)
+    prefill_tokens: Mapping[str, int] = field(default_factory=dict)
+    """Uncached prompt tokens per backend, for the load ticket of each try."""
+    ticket: Ticket | None = None
+    """The chosen backend's load ticket, taken when the router decided."""
+    reason: str | None = None
+    """The decision's reason, sent as ``x-kvrouter-reason``; None: not sent."""
+    client_authorization: str | None = None
+    """The client's ``Authorization``, for backends without a key of their own."""
+    on_fallback: Callable[[str], None] | None = None
+    """Called with the backend a retry moves the request to."""
+    on_done: Callable[[], None] | None = None
+    """Called when the exchange ends, however it ends."""
+    method: str = "POST"
+
+
 class ProxyResponse(Response):
     """Sends one request upstream and relays the answer (see the module docstring)."""
 
-    def __init__(
-        self,
-        *,
-        pool: BackendPool,
-        loads: LoadTracker,
-        order: list[str],
-        method: str,
-        path: str,
-        body: bytes,
-        headers: dict[str, str],
-        stream: bool,
-        keys: list[int],
-        prefill_tokens: Mapping[str, int],
-        model: str,
-        policy: str,
-        started: float,
-        retries: int,
-        reason: str | None = None,
-        client_authorization: str | None = None,
-        ticket: Ticket | None = None,
-        on_fallback: Any = None,
-        on_done: Any = None,
-    ) -> None:
+    def __init__(self, upstreams: Upstreams, request: Upstream) -> None:
         self.status_code = 200
         self.background = None
-        self._pool = pool
-        self._loads = loads
-        self._order = order
-        self._method = method
-        self._path = path
-        self._body = body
-        self._headers = headers
-        self._stream = stream
-        self._keys = keys
-        self._prefill = prefill_tokens
-        self._model = model
-        self._policy = policy
-        self._started = started
-        self._retries = retries
-        self._first_ticket = ticket
-        self._on_fallback = on_fallback
-        self._on_done = on_done
-        self._reason = reason
-        """The decision's reason, sent as ``x-kvrouter-reason``; None: not sent."""
-        self._client_authorization = client_authorization
-        """The client's ``Authorization``, for backends without a key of their own."""
+        self._up = upstreams
+        self._req = request
+        self._first_ticket = request.ticket
+        """Handed to the first try, then None (each retry takes its own)."""
+        self._reason = request.reason
         self._backend_down = False
         self._client_gone = False
         self._response_started = False
@@ -268,7 +271,7 @@ class ProxyResponse(Response):
 
     async def _run(self, send: Send) -> None:
         status = 499
-        backend_name = self._order[0] if self._order else "none"
+        backend_name = self._req.order[0] if self._req.order else "none"
         ticket: Ticket | None = None
         upstream: aiohttp.ClientResponse | None = None
         complete = False
@@ -288,7 +291,7 @@ class ProxyResponse(Response):
             if self._reason is not None:
                 headers.append((REASON_HEADER, self._reason.encode()))
             self._watch(backend)
-            if self._stream and status == 200:
+            if self._req.stream and status == 200:
                 status = await self._relay_stream(send, backend, ticket, upstream, headers)
             else:
                 status = await self._relay_whole(send, backend, ticket, upstream, headers)
@@ -314,9 +317,9 @@ class ProxyResponse(Response):
                     upstream.release()
                 else:
                     upstream.close()
-            metrics.child(metrics.REQUESTS, self._model, backend_name, self._policy, str(status)).inc()
-            if self._on_done is not None:
-                self._on_done()
+            metrics.child(metrics.REQUESTS, self._req.model, backend_name, self._req.policy, str(status)).inc()
+            if self._req.on_done is not None:
+                self._req.on_done()
 
     def _watch(self, backend: BackendState) -> None:
         task = asyncio.current_task()
@@ -349,10 +352,10 @@ class ProxyResponse(Response):
     async def _connect(self) -> tuple[BackendState, Ticket, aiohttp.ClientResponse]:
         last: RouterError = UpstreamError("no backend could be tried")
         tried = 0
-        for name in self._order:
-            if tried > self._retries:
+        for name in self._req.order:
+            if tried > self._up.retries:
                 break
-            backend = self._pool.get(name)
+            backend = self._up.pool.get(name)
             if tried > 0 and not backend.routable:
                 continue
             tried += 1
@@ -361,19 +364,19 @@ class ProxyResponse(Response):
             if ticket is None or ticket.load.name != name:
                 if ticket is not None:
                     ticket.release()
-                ticket = self._loads.acquire(name, self._keys, self._prefill.get(name, 0))
+                ticket = self._up.loads.acquire(name, self._req.keys, self._req.prefill_tokens.get(name, 0))
             if tried == 1:
-                metrics.child(metrics.OVERHEAD_SECONDS, self._model).observe(time.perf_counter() - self._started)
-            elif self._on_fallback is not None:
-                self._on_fallback(name)
+                metrics.child(metrics.OVERHEAD_SECONDS, self._req.model).observe(time.perf_counter() - self._req.started)
+            elif self._req.on_fallback is not None:
+                self._req.on_fallback(name)
             self._watch(backend)
             session = backend.session
             assert session is not None, "BackendPool.open() was not called"
-            headers = self._headers
-            if self._client_authorization is not None and backend.config.api_key is None:
-                headers = {**headers, "authorization": self._client_authorization}
+            headers = self._req.headers
+            if self._req.client_authorization is not None and backend.config.api_key is None:
+                headers = {**headers, "authorization": self._req.client_authorization}
             try:
-                upstream = await session.request(self._method, self._path, data=self._body, headers=headers)
+                upstream = await session.request(self._req.method, self._req.path, data=self._req.body, headers=headers)
             except (*_CONNECT_ERRORS, *_NO_BYTE_ERRORS) as e:
                 ticket.release()
                 kind = "connect" if isinstance(e, _CONNECT_ERRORS) else "reset"
@@ -408,7 +411,7 @@ class ProxyResponse(Response):
                 raise
             finally:
                 self._unwatch()
-            if upstream.status in (502, 503) and tried <= self._retries and self._has_next(name):
+            if upstream.status in (502, 503) and tried <= self._up.retries and self._has_next(name):
                 upstream.release()
                 ticket.release()
                 backend.record_failure(f"answered {upstream.status}")
@@ -421,8 +424,8 @@ class ProxyResponse(Response):
         raise last
 
     def _has_next(self, name: str) -> bool:
-        i = self._order.index(name)
-        return any(self._pool.get(n).routable for n in self._order[i + 1 :])
+        i = self._req.order.index(name)
+        return any(self._up.pool.get(n).routable for n in self._req.order[i + 1 :])
 
     async def _relay_whole(
         self, send: Send, backend: BackendState, ticket: Ticket, upstream: aiohttp.ClientResponse, headers: list[tuple[bytes, bytes]]

@@ -1,8 +1,7 @@
-"""The history memo (router/history.py) and the memoizing sandbox (router/fast_sandbox.py).
+"""The history memo (router/history.py).
 
 Real Qwen3 tokenizer and chat template, real conversations (ShareGPT): what the memo
-learns from one turn must be a prefix of the next turn's real block keys, and renders
-through the memoizing sandbox must equal the stock sandbox's, refusals included.
+learns from one turn must be a prefix of the next turn's real block keys.
 """
 
 from __future__ import annotations
@@ -11,16 +10,13 @@ import copy
 import json
 from typing import Any
 
-import jinja2
 import pytest
-from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
 from indexer.hashing import BlockHasher
-from router.fast_sandbox import MemoSandbox, speed_up
 from router.hash_cache import HashCache
 from router.history import MAX_MISMATCHES, Chain, Entry, HistoryMemo, chain_of, learn_entries
 from router.tokenize import PromptTokenizer
-from support import GOLDEN, REPO
+from support import REPO
 
 BLOCK = 16
 MODEL = "qwen3-0.6b"
@@ -94,7 +90,9 @@ def test_memo_finds_the_longest_prefix_and_stays_bounded() -> None:
     assert 11 not in memo and 33 in memo and 55 in memo
     memo.put(11, Entry([1, 2], 40, 10))  # 12 keys again: 33 is now the least recently used
     assert 33 not in memo and 55 in memo and 11 in memo
-    assert memo.find(Chain([55], [50])) is not None  # a hit refreshes 55: 11 is now the oldest
+    hit = memo.find(Chain([55], [50]))
+    assert hit is not None
+    memo.touch(hit)  # routed on: 55 refreshed, 11 is now the oldest
     memo.put(77, Entry([5, 6, 7], 40, 10))
     assert 11 not in memo and 55 in memo and 77 in memo
     memo.put(66, Entry([], 3, 5))  # nothing to route on: not stored
@@ -177,11 +175,11 @@ def test_a_template_that_rewrites_earlier_text_teaches_nothing(qwen3: PromptToke
     before it: neither keeps an entry for the next turn (the segment cache does better)."""
     counting = copy.copy(qwen3)
     counting._hf = copy.copy(qwen3._hf)
-    counting._template_info = {}
+    counting._templates = {}
     counting._hf.chat_template = "{{ messages|length }} messages<|im_end|>\n" + qwen3._hf.chat_template
     moving = copy.copy(counting)
     moving._hf = copy.copy(qwen3._hf)
-    moving._template_info = {}
+    moving._templates = {}
     moving._hf.chat_template = (
         "{% for m in messages %}{% if m.role != 'system' %}<|im_start|>{{ m.role }}\n"
         "{% if loop.last %}{{ messages[0].content }} {% endif %}{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
@@ -253,79 +251,3 @@ def test_shared_tokens_counts_up_to_the_last_added_token_certainly_shared(qwen3:
     # The counted ids are exactly the ids of the counted characters.
     n, chars = qwen3.shared_tokens(a, a[: at + longest] + "different", False)
     assert qwen3.encode_full(a[:chars]) == full[:n]
-
-
-# -- the memoizing sandbox -----------------------------------------------------------------
-
-
-def test_memo_sandbox_renders_exactly_like_the_stock_sandbox(qwen3: PromptTokenizer) -> None:
-    template = qwen3._hf.chat_template
-    stock = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    fast = MemoSandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    for env in (stock, fast):
-        env.filters["tojson"] = lambda x, **kw: json.dumps(x, ensure_ascii=False)
-    cases = [c["request"] for c in map(json.loads, (GOLDEN / "render_vectors_vllm-0.33.0_qwen3-0.6b-tok.jsonl").read_text().splitlines())
-             if isinstance(c.get("request"), dict) and isinstance(c["request"].get("messages"), list)]
-    cases += [{"messages": conv} for conv in conversations(30)]
-    rendered = 0
-    for body in cases:
-        kwargs = {"messages": body["messages"], "tools": body.get("tools"), "add_generation_prompt": True}
-        out = []
-        for env in (stock, fast):
-            try:
-                out.append(env.from_string(template).render(**kwargs))
-            except Exception as e:  # noqa: BLE001 - the same refusal is what must match
-                out.append(repr(e))
-        assert out[0] == out[1]
-        rendered += 1
-    assert rendered >= 80
-
-
-@pytest.mark.parametrize("source", [
-    "{{ messages.append(1) }}",
-    "{{ ''.__class__ }}",
-    "{{ m.pop('role') }}",
-    "{{ m.update({'a': 1}) }}",
-    "{{ 'x'.format.__globals__ }}",
-    "{{ '{0.__class__}'.format(m) }}",
-    "{{ m.items()|list|length }}{{ m.role }}{{ m.nosuch is defined }}",
-    "{% for x in range(3) %}{{ loop.index0 }}{{ x.real }}{% endfor %}{{ m['__class__'] }}",
-    "{{ m|attr('__class__') }}{{ m|attr('items') is defined }}",
-])
-def test_memo_sandbox_refuses_what_the_stock_sandbox_refuses(source: str) -> None:
-    """Unsafe access renders as the same error (or the same undefined), on the first use
-    and after the verdicts are remembered."""
-    results = []
-    for env in (ImmutableSandboxedEnvironment(), MemoSandbox(), MemoSandbox()):
-        t = env.from_string(source)
-        got = []
-        for _ in range(2 if isinstance(env, MemoSandbox) else 1):
-            try:
-                got.append(t.render(messages=[], m={"role": "user"}))
-            except (SecurityError, jinja2.TemplateError, TypeError) as e:
-                got.append(f"{type(e).__name__}: {e}")
-        results.append(got)
-    assert all(r == [results[0][0]] * len(r) for r in results[1:]), results
-
-
-def test_memo_sandbox_reads_each_attribute_once_like_the_stock_sandbox() -> None:
-    class Counting:
-        def __init__(self) -> None:
-            self.reads = 0
-
-        def __getattr__(self, name: str) -> int:
-            self.reads += 1
-            return self.reads
-
-    source = "{{ o.x }} {{ o.x }} {{ o.y }} {{ o.x }}"
-    out = [env.from_string(source).render(o=Counting()) for env in (ImmutableSandboxedEnvironment(), MemoSandbox())]
-    assert out[0] == out[1] == "1 2 3 4"
-
-
-def test_speed_up_swaps_the_environment_transformers_compiled(qwen3: PromptTokenizer) -> None:
-    from transformers.utils.chat_template_utils import _compile_jinja_template
-
-    template = qwen3._hf.chat_template
-    assert speed_up(template)
-    assert type(_compile_jinja_template(template).environment) is MemoSandbox
-    assert not speed_up("{% if %}")  # a template that does not compile is left to fail where vLLM does

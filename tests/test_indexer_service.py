@@ -19,7 +19,7 @@ from indexer.hashing import BlockHasher
 from indexer.index import Worker
 from indexer.redis_index import RedisIndex
 from kvconfig import load_config
-from router.app import _warn_if_unfilled
+from router.core import warn_if_unfilled
 from kvpub import EnginePublisher
 from support import KVROUTER, QWEN3_DIR, Proc, free_port, wait_http, wait_port
 
@@ -126,13 +126,13 @@ def test_a_router_warns_at_start_when_its_namespace_holds_none_of_its_models(
     config = load_config(write_config(tmp_path / "fleet.yaml", engine, redis_url, index_namespace=namespace))
     index = RedisIndex(redis_url, namespace=namespace)
     try:
-        with caplog.at_level(logging.WARNING, logger="router.app"):
-            asyncio.run(_warn_if_unfilled(index, config))
+        with caplog.at_level(logging.WARNING, logger="router.core"):
+            asyncio.run(warn_if_unfilled(index, config))
         assert f"index_namespace {namespace!r} holds no blocks of {MODEL}" in caplog.text
         caplog.clear()
         index.store(MODEL, Worker("engine-0", 0), [1, 2])
-        with caplog.at_level(logging.WARNING, logger="router.app"):
-            asyncio.run(_warn_if_unfilled(index, config))
+        with caplog.at_level(logging.WARNING, logger="router.core"):
+            asyncio.run(warn_if_unfilled(index, config))
         assert caplog.text == ""
     finally:
         index.close()

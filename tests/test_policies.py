@@ -296,16 +296,19 @@ vllm:time_to_first_token_seconds_bucket{le="0.1",model_name="m"} 1.0
 
 def test_a_data_parallel_backend_counts_its_best_rank() -> None:
     from indexer.index import Worker
-    from router.app import Router
+    from router.backends import BackendPool
+    from router.choose import candidates
+    from router.load import LoadTracker
+    from router.runtime import Models
     from router.config import parse_config
 
     cfg = parse_config({"models": [{"name": "m", "tokenizer": "unused", "backends": [
         {"name": "dp", "url": "http://127.0.0.1:9", "data_parallel_size": 2},
         {"name": "solo", "url": "http://127.0.0.1:10"},
     ]}]})
-    router = Router(cfg)
-    rt = router.models["m"]
-    cands = router._candidates(rt, {Worker("dp", 0): {"GPU": 3}, Worker("dp", 1): {"GPU": 5, "CPU": 2}, Worker("solo", 0): {"CPU": 4}})
+    pool = BackendPool(cfg)
+    hits = {Worker("dp", 0): {"GPU": 3}, Worker("dp", 1): {"GPU": 5, "CPU": 2}, Worker("solo", 0): {"CPU": 4}}
+    cands = candidates(Models(cfg)["m"], hits, pool, LoadTracker(list(pool.backends)))
     dp, solo = cands
     assert (dp.matched_blocks, dp.weighted_blocks, dp.best_rank) == (7, 6.0, 1)
     assert (solo.matched_blocks, solo.weighted_blocks) == (4, 2.0)

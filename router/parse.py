@@ -1,0 +1,89 @@
+"""Stage 1 of the request path, *parse*: the bounded body, decoded once, the few fields routing reads.
+
+The engine validates the rest of an OpenAI body; the router checks only what it needs
+to route and to bound the work it does (``model``, the prompt or messages, ``stream``,
+``max_tokens``, ``cache_salt``), so a malformed request is a 400 here, never a 500 deeper
+in the path.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from router.errors import BadRequest, BodyTooLarge
+
+_decoder = msgspec.json.Decoder()
+_encoder = msgspec.json.Encoder()
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The whole body, refused as soon as it is known to pass ``limit`` bytes."""
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise BodyTooLarge(f"request body of {length} bytes is over the {limit}-byte limit")
+    if length is not None:
+        body = await request.body()
+    else:
+        chunks = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise BodyTooLarge(f"request body is over the {limit}-byte limit")
+            chunks.append(chunk)
+        body = b"".join(chunks)
+    if len(body) > limit:
+        raise BodyTooLarge(f"request body of {len(body)} bytes is over the {limit}-byte limit")
+    return body
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    try:
+        body = _decoder.decode(raw)
+    except UnicodeDecodeError as e:
+        raise BadRequest(f"request body is not valid UTF-8: {e}", code="invalid_encoding") from None
+    except msgspec.DecodeError as e:
+        raise BadRequest(f"request body is not valid JSON: {e}", code="invalid_json") from None
+    except RecursionError:
+        raise BadRequest("request body is nested too deeply", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object", code="invalid_json")
+    return body
+
+
+def validate_fields(body: dict[str, Any], kind: str) -> str | None:
+    """Check the fields routing reads; returns the request's ``cache_salt``."""
+    if kind == "chat":
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise BadRequest("'messages' is required and must be a non-empty list", code="missing_messages")
+    elif "prompt" not in body or body["prompt"] is None:
+        raise BadRequest("'prompt' is required", code="missing_prompt")
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise BadRequest("'stream' must be a boolean")
+    for key in ("max_tokens", "max_completion_tokens"):
+        v = body.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            raise BadRequest(f"'{key}' must be a non-negative integer")
+    salt = body.get("cache_salt")
+    if salt is not None and not isinstance(salt, str):
+        raise BadRequest("'cache_salt' must be a string")
+    return salt
+
+
+def session_key(body: dict[str, Any], headers: Any, header: str) -> str | None:
+    """The session a request belongs to: the configured header, else the body's ``user``."""
+    key = headers.get(header)
+    if key:
+        return key
+    user = body.get("user")
+    return user if isinstance(user, str) and user else None
+
+
+def json_response(obj: Any, status: int = 200) -> Response:
+    return Response(_encoder.encode(obj), status_code=status, media_type="application/json")

@@ -1,0 +1,348 @@
+"""Stage 3 of the request path, *plan*: which block keys a request is routed on, and what it still owes.
+
+Tokenizing is most of what routing costs, and for some prompts part of the ids decides
+as much as all of them would. Each routing mode is one class here, and each says which
+keys it routes on (``keys``), how many tokens the prompt is taken to have
+(``num_tokens``) and what it owes once sent (:mod:`router.settle` pays it):
+
+=====================  =====================================================  ==========================================
+mode                   routes on                                              owes in the background
+=====================  =====================================================  ==========================================
+:class:`ExactIds`      every id of the prompt (the full path)                 sampled id checks; learning its history
+:class:`RememberedHistory`  the keys remembered for its messages, unrendered  all ids; the memo entry's check
+                       (:mod:`router.history`)
+:class:`SeenTail`      the ids of its history the segment cache holds;        all ids
+                       the new turn is short (:mod:`router.cold`)
+:class:`ColdHead`      the exact first block of a long prompt nobody holds    all ids; the probe's check
+                       (:mod:`router.cold`)
+=====================  =====================================================  ==========================================
+
+A request is tried against the deferred modes in :data:`MODES` order; the first that
+applies proposes a plan, or names the outcome that sends the request down the full
+path (``seen``, ``disabled``, ``ineligible``). A new mode is one :class:`Deferred`
+subclass with ``propose``, ``bound`` and ``verify``, added to :data:`MODES`.
+
+Planning is pure: it renders, scans and tokenizes (warming the tokenizer's caches) but
+changes no routing state, counts nothing and starts nothing, so ``/debug/route`` can plan
+too. The outcome each plan carries is counted in ``kvrouter_cold_path`` when it is sent.
+
+``router.inline_tokenize_bytes`` is the one size threshold: a body, or a prompt's
+uncached text, at most that long costs less to tokenize on the event loop than any
+detour (a pool thread, a probe plus a background job), so only longer prompts are
+deferred, and a seen history's new turn is deferred only while it is at most that long.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from router.cold import HeadProbe
+from router.errors import BadRequest
+from router.history import Chain, Hit, chain_of, digest
+from router.prompt_ids import IdSource, Ids, Rendered
+from router.runtime import ModelRuntime, check_length, length_error
+from router.tokenize import PromptTokenizer, TokenizeError, UnsupportedPrompt
+
+
+@dataclass(slots=True)
+class Query:
+    """One OpenAI request as the planner sees it."""
+
+    rt: ModelRuntime
+    body: dict[str, Any]
+    kind: str
+    raw_len: int
+    lora: dict[str, Any] | None
+    salt: str | None
+    chain: Chain | None = None
+    """Its messages' history-memo keys, when the memo can route it or learn from it."""
+
+
+class Plan:
+    """What every mode answers: the keys to route on and the prompt's length in tokens."""
+
+    __slots__ = ()
+    outcome: str | None = None
+    """Its ``kvrouter_cold_path`` outcome, counted when it is sent (None: not counted)."""
+    keys: list[int]
+    num_tokens: int
+    token_ids: list[int]
+    deferred: ClassVar[bool]
+
+
+@dataclass(slots=True)
+class ExactIds(Plan):
+    """The full path: every id known before routing. Owes the sampled checks of its ids
+    and, for a chat the memo can key, learning its history for the next turn."""
+
+    ids: Ids
+    rendered: Rendered | None = None
+    outcome: str | None = None
+    unsupported: bool = False
+    """A prompt the router cannot tokenize: routed without cache information (reason ``fallback``)."""
+    deferred: ClassVar[bool] = False
+
+    @property
+    def keys(self) -> list[int]:  # type: ignore[override]
+        return self.ids.keys
+
+    @property
+    def num_tokens(self) -> int:  # type: ignore[override]
+        return len(self.ids.token_ids)
+
+    @property
+    def token_ids(self) -> list[int]:  # type: ignore[override]
+        return self.ids.token_ids
+
+
+@dataclass(slots=True)
+class Deferred(Plan):
+    """Routed on part of its ids (``head``, hashed to ``keys``) with an ``estimate`` of its
+    length; owes its full tokenization, which settles its load ticket and the policy's memory."""
+
+    prompt: Rendered | None
+    head: list[int]
+    keys: list[int]
+    num_tokens: int
+    head_chars: int = 0
+    """The rendered text its head covers: the rest is bounded by bytes (:meth:`bound`)."""
+    token_ids: list[int] = field(default_factory=list)
+    deferred: ClassVar[bool] = True
+    registers_pending: ClassVar[bool] = False
+    """Whether a request with the same first block waits for its settle (a cold head's burst)."""
+
+    @classmethod
+    def propose(cls, draft: Draft) -> Plan | str | None:
+        """A plan of this mode, an outcome that sends the request down the full path, or
+        None when the mode does not apply (the next one is tried)."""
+        raise NotImplementedError
+
+    def holds(self, hits: dict[Any, Any], known: Callable[[ModelRuntime, int], bool], rt: ModelRuntime) -> bool:
+        """Whether the plan stands once its keys were looked up."""
+        return True
+
+    def bound(self, probe: HeadProbe) -> int:
+        """An upper bound on the prompt's length: its exact head, a byte bound on the rest."""
+        assert self.prompt is not None
+        return len(self.head) + probe.max_tokens(self.prompt.text[self.head_chars :], self.prompt.add_special)
+
+    def verify(self, rt: ModelRuntime, ids: list[int], keys: list[int]) -> None:
+        """Compare what it was routed on with its full tokenization (background, on the loop)."""
+
+
+@dataclass(slots=True)
+class RememberedHistory(Deferred):
+    """A chat whose messages start with a remembered history (:mod:`router.history`),
+    routed on that history's keys before its template is rendered. Rendered only under a
+    configured length limit, which needs a bound: the remembered prefix's tokens, when the
+    rendering does start with that text, plus a byte bound on the rest."""
+
+    hit: Hit | None = None
+    outcome: ClassVar[str | None] = "history"  # type: ignore[misc]
+
+    @classmethod
+    def propose(cls, draft: Draft) -> Plan | str | None:
+        rt, chain = draft.q.rt, draft.q.chain
+        if chain is None or rt.history is None:
+            return None
+        hit = rt.history.find(chain)
+        if hit is None:
+            return None
+        entry = hit.entry
+        if rt.config.max_model_len is None:
+            return cls(None, [], entry.keys, hit.estimate(chain), hit=hit)
+        prompt = draft.prompt()
+        if prompt is None or digest(prompt[0], entry.chars) != entry.digest:
+            return None
+        text, add_special = prompt
+        rendered = Rendered(text, add_special, len(text) - entry.chars)
+        return cls(rendered, [], entry.keys, hit.estimate(chain), entry.chars, hit=hit)
+
+    def bound(self, probe: HeadProbe) -> int:
+        assert self.prompt is not None and self.hit is not None
+        return self.hit.entry.tokens + probe.max_tokens(self.prompt.text[self.head_chars :], self.prompt.add_special)
+
+    def verify(self, rt: ModelRuntime, ids: list[int], keys: list[int]) -> None:
+        if rt.history is not None and self.hit is not None:
+            rt.history.check(self.hit, keys)
+
+
+@dataclass(slots=True)
+class SeenTail(Deferred):
+    """A re-sent history and a short new turn: the history's ids are exact (the segment
+    cache), and no backend can hold blocks of text this router has not tokenized lately
+    (the blocks are chained), so routing on the history decides what the whole prompt would."""
+
+    outcome: ClassVar[str | None] = "tail"  # type: ignore[misc]
+
+    @classmethod
+    def propose(cls, draft: Draft) -> Plan | str | None:
+        r = draft.scanned()
+        if r is None or r.uncached_chars > draft.inline_bytes:
+            return None
+        scan = draft.scan
+        if scan is None:  # short: below the threshold whatever the cache holds
+            return None
+        head = scan.head
+        if scan.complete or len(head) < draft.q.rt.config.block_size:
+            return "seen"
+        q = draft.q
+        keys = q.rt.hash_cache.hash_int64(head, lora=q.lora, cache_salt=q.salt)
+        estimate = len(head) + round((len(r.text) - scan.head_chars) * len(head) / max(1, scan.head_chars))
+        return cls(r, head, keys, estimate, scan.head_chars)
+
+
+@dataclass(slots=True)
+class ColdHead(Deferred):
+    """A long prompt the segment cache has mostly not seen, routed on its exact first
+    block (:class:`router.cold.HeadProbe`) when no backend holds that block, nor the
+    router's recent decisions, nor a request still settling."""
+
+    outcome: ClassVar[str | None] = "deferred"  # type: ignore[misc]
+    registers_pending: ClassVar[bool] = True
+
+    @classmethod
+    def propose(cls, draft: Draft) -> Plan | str | None:
+        r = draft.scanned()
+        if r is None or draft.scan is None or r.uncached_chars <= draft.inline_bytes:
+            return None
+        rt, q = draft.q.rt, draft.q
+        assert rt.probe is not None
+        if not rt.probe.enabled:
+            return "disabled"
+        got = rt.probe.head_ids(r.text, r.add_special, rt.config.block_size)
+        if got is None:
+            return "ineligible"
+        head, per_char = got
+        keys = rt.hash_cache.hash_int64(head, lora=q.lora, cache_salt=q.salt)
+        return cls(r, head, keys, max(len(head), round(len(r.text) * per_char)))
+
+    def holds(self, hits: dict[Any, Any], known: Callable[[ModelRuntime, int], bool], rt: ModelRuntime) -> bool:
+        return not hits and not (rt.memory is not None and rt.memory.remembers(self.keys)) and not known(rt, self.keys[0])
+
+    def bound(self, probe: HeadProbe) -> int:
+        assert self.prompt is not None
+        return probe.max_tokens(self.prompt.text, self.prompt.add_special)
+
+    def verify(self, rt: ModelRuntime, ids: list[int], keys: list[int]) -> None:
+        assert rt.probe is not None
+        rt.probe.check(self.head, ids)
+
+
+MODES: tuple[type[Deferred], ...] = (RememberedHistory, SeenTail, ColdHead)
+
+
+class Draft:
+    """One request while the modes look at it: its prompt rendered and scanned at most once."""
+
+    __slots__ = ("q", "inline_bytes", "_prompt", "_rendered", "scan")
+
+    def __init__(self, q: Query, inline_bytes: int) -> None:
+        self.q = q
+        self.inline_bytes = inline_bytes
+        self._prompt: tuple[str, bool] | None | bool = False
+        self._rendered: Rendered | None | bool = False
+        self.scan: Any = None
+
+    def prompt(self) -> tuple[str, bool] | None:
+        """The prompt text of a single-text request (None: not one, or not for this router)."""
+        if self._prompt is False:
+            tok = self.q.rt.tokenizer
+            self._prompt = _render(tok, self.q.body, self.q.kind) if tok is not None else None
+        return self._prompt  # type: ignore[return-value]
+
+    @property
+    def rendered(self) -> Rendered | None:
+        """What :meth:`scanned` found, if a mode asked (the full path reuses it)."""
+        return self._rendered if isinstance(self._rendered, Rendered) else None
+
+    def scanned(self) -> Rendered | None:
+        """The rendered prompt and what the segment cache lacks of it (a short one unscanned)."""
+        if self._rendered is False:
+            self._rendered = None
+            rt = self.q.rt
+            prompt = self.prompt() if rt.probe is not None and rt.local else None
+            if prompt is not None:
+                text, add_special = prompt
+                if len(text) < self.inline_bytes:
+                    self._rendered = Rendered(text, add_special, len(text))
+                else:
+                    assert rt.tokenizer is not None
+                    self.scan = scan = rt.tokenizer.scan(text, add_special)
+                    self._rendered = Rendered(text, add_special, scan.uncached_chars, scan.head if scan.complete else None)
+        return self._rendered  # type: ignore[return-value]
+
+
+class Planner:
+    """Chooses each request's mode (see the module docstring)."""
+
+    def __init__(
+        self, ids: IdSource, *, defer: bool, inline_bytes: int, busy: Callable[[], bool],
+        known: Callable[[ModelRuntime, int], bool],
+    ) -> None:
+        self.ids = ids
+        self.defer = defer
+        self.inline_bytes = inline_bytes
+        self.busy = busy
+        """Whether background work is behind (:attr:`router.background.Background.full`)."""
+        self.known = known
+        """Whether a request with this first block is still settling (:mod:`router.settle`)."""
+
+    async def plan(self, q: Query) -> Plan:
+        rt = q.rt
+        if not (self.defer and rt.engines is None and q.raw_len > self.inline_bytes):
+            return await self.exact(q)
+        q.chain = _chain(q)
+        draft = Draft(q, self.inline_bytes)
+        outcome, rendered = None, None
+        for mode in MODES:
+            got = mode.propose(draft)
+            if got is None:
+                continue
+            if isinstance(got, str):
+                outcome = got
+            elif self.busy():
+                outcome, rendered = "busy", got.prompt
+            elif rt.config.max_model_len is not None and length_error(rt, q.body, [got.bound(rt.probe)]):  # type: ignore[arg-type]
+                # A configured limit, maybe below the engines': check it exactly.
+                outcome, rendered = "ineligible", got.prompt
+            else:
+                return got
+            break
+        return await self.exact(q, rendered or draft.rendered, outcome)
+
+    async def exact(self, q: Query, rendered: Rendered | None = None, outcome: str | None = None) -> ExactIds:
+        """The full path; a prompt the router cannot tokenize is routed without cache
+        information (decision reason ``fallback``)."""
+        try:
+            ids = await self.ids.exact(q.rt, q.body, q.kind, q.raw_len, q.lora, q.salt, rendered)
+        except UnsupportedPrompt:
+            return ExactIds(Ids([], [], []), rendered, outcome, unsupported=True)
+        check_length(q.rt, q.body, ids.lengths)
+        return ExactIds(ids, rendered, outcome)
+
+
+def _chain(q: Query) -> Chain | None:
+    """The request's history-memo keys, when the memo can route it or learn from it."""
+    rt = q.rt
+    memo, tok = rt.history, rt.tokenizer
+    if q.kind != "chat" or memo is None or not memo.enabled or tok is None or not tok.segment_enabled or not rt.local:
+        return None
+    return chain_of(q.body)
+
+
+def _render(tok: PromptTokenizer, body: dict[str, Any], kind: str) -> tuple[str, bool] | None:
+    try:
+        return tok.prompt_text(body, kind)
+    except UnsupportedPrompt:
+        return None
+    except TokenizeError as e:
+        raise BadRequest(str(e)) from e
+
+
+def rendered_now(tok: PromptTokenizer, body: dict[str, Any], kind: str) -> Rendered | None:
+    """The prompt of a request routed before it was rendered (background thread)."""
+    got = tok.prompt_text(body, kind)
+    return Rendered(got[0], got[1], len(got[0])) if got is not None else None

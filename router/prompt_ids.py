@@ -1,0 +1,159 @@
+"""A prompt's exact token ids and block keys: on the event loop, in the tokenizer pool, or from a backend.
+
+The plan stage (:mod:`router.plans`) calls :meth:`IdSource.exact` for every request it
+routes on all of its ids. Where the work runs is decided by its size:
+
+- on the event loop when it is cheap: a body of at most ``router.inline_tokenize_bytes``,
+  a rendered prompt with at most that many characters the segment cache lacks, or a
+  prompt given as at most :data:`INLINE_ID_TOKENS` token ids. Under load the thread hop
+  is what costs: the job waits for a pool thread and the GIL (held by the other tokenizer
+  thread and the KV-event thread), then for the loop to pick up the result. On the
+  Mooncake bench (~3k-token id prompts, ~30 req/s on 2 cores) it was ~20 ms of the
+  router's overhead, for ~2 ms of work;
+- in the two-thread tokenizer pool otherwise, so a 100k-token prompt never stalls the loop;
+- at a healthy backend's ``/tokenize`` when the model tokenizes remotely, or when the
+  local tokenizer crashed on this prompt (counted in ``kvrouter_tokenizer_fallbacks``).
+
+Nothing here acts: the sampled checks of the ids (segment cache against a full
+tokenization, local against a backend) are work the request owes after it is sent
+(:mod:`router.settle`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Any
+
+from router import metrics
+from router.backends import BackendPool
+from router.errors import BadRequest, NoHealthyBackend, RouterError, UpstreamError
+from router.runtime import ModelRuntime
+from router.tokenize import RemoteTokenizeError, TokenizeError, UnsupportedPrompt
+
+log = logging.getLogger(__name__)
+
+INLINE_ID_TOKENS = 8192
+"""Longest token-id prompt hashed on the event loop: a full cache miss of 512 blocks costs
+~1.5 ms of SHA-256, still less than a thread hop under load."""
+
+
+@dataclass(slots=True)
+class Rendered:
+    """A single-text prompt rendered once per request (see ``PromptTokenizer.prompt_text``)."""
+
+    text: str
+    add_special: bool
+    uncached_chars: int
+    ids: list[int] | None = None
+    """All of its ids, when the segment cache held every segment (nothing to tokenize)."""
+
+
+@dataclass(slots=True)
+class Ids:
+    """A prompt's exact ids (the first prompt of a batch), every prompt's length, its block
+    keys, and what computing them cost (observed when the request is sent)."""
+
+    token_ids: list[int]
+    lengths: list[int]
+    keys: list[int]
+    tokenize_s: float = 0.0
+    hash_s: float = 0.0
+
+
+class IdSource:
+    """Exact ids and keys for one router: its tokenizer pool, its backends, its inline budget."""
+
+    def __init__(self, executor: Executor, pool: BackendPool, inline_bytes: int) -> None:
+        self.executor = executor
+        self.pool = pool
+        self.inline_bytes = inline_bytes
+        """``router.inline_tokenize_bytes``: text this short is tokenized on the event loop."""
+
+    async def exact(
+        self, rt: ModelRuntime, body: dict[str, Any], kind: str, raw_len: int,
+        lora: dict[str, Any] | None, salt: str | None, rendered: Rendered | None = None,
+    ) -> Ids:
+        """Raises :class:`UnsupportedPrompt` for a prompt the router cannot tokenize (the
+        engine judges it), ``BadRequest`` for one the tokenizer refuses."""
+        if not rt.local:
+            return await self._remote(rt, body, kind, raw_len, lora, salt)
+        prompt = body.get("prompt") if kind == "completion" else None
+        # A shape hint only: completion_ids validates every id, inline or not.
+        given = prompt if isinstance(prompt, list) and prompt and type(prompt[0]) is int else None
+        inline = (raw_len <= self.inline_bytes or (given is not None and len(given) <= INLINE_ID_TOKENS)
+                  or (rendered is not None and rendered.uncached_chars <= self.inline_bytes))
+        try:
+            if inline:
+                return local_ids(rt, body, kind, lora, salt, rendered)
+            return await asyncio.get_running_loop().run_in_executor(
+                self.executor, local_ids, rt, body, kind, lora, salt, rendered)
+        except (TokenizeError, RouterError):
+            raise
+        except Exception as e:  # noqa: BLE001 - a tokenizer crash must not fail the request
+            log.warning("local tokenization of %s failed (%r); asking a backend", rt.name, e)
+            metrics.child(metrics.TOKENIZER_FALLBACKS, rt.name, "local_error").inc()
+            return await self._remote(rt, body, kind, 0, lora, salt)
+
+    async def _remote(
+        self, rt: ModelRuntime, body: dict[str, Any], kind: str, raw_len: int, lora: dict[str, Any] | None, salt: str | None
+    ) -> Ids:
+        t0 = time.perf_counter()
+        prompts = await self.remote_prompts(rt, body, kind)
+        tokenize_s = time.perf_counter() - t0
+        first = prompts[0] if prompts else []
+        if raw_len <= self.inline_bytes or len(first) <= INLINE_ID_TOKENS:
+            keys = rt.hash_cache.hash_int64(first, lora=lora, cache_salt=salt)
+        else:
+            keys = await asyncio.get_running_loop().run_in_executor(
+                self.executor, lambda: rt.hash_cache.hash_int64(first, lora=lora, cache_salt=salt))
+        return Ids(first, [len(p) for p in prompts], keys, tokenize_s, time.perf_counter() - t0 - tokenize_s)
+
+    async def remote_prompts(self, rt: ModelRuntime, body: dict[str, Any], kind: str) -> list[list[int]]:
+        """Every prompt's ids from the first routable backend's ``/tokenize``."""
+        name = next((n for n in rt.backends if self.pool.get(n).routable), None)
+        if name is None:
+            raise NoHealthyBackend(f"no healthy backend for model {rt.name!r} to tokenize with")
+        backend = self.pool.get(name)
+        try:
+            if kind == "chat":
+                return [await rt.remote.chat_ids(backend.url, body, backend.client)]
+            return await rt.remote.completion_ids(backend.url, body, backend.client)
+        except TokenizeError as e:
+            raise BadRequest(str(e)) from e
+        except RemoteTokenizeError as e:
+            log.warning("remote tokenization at %s failed: %s", name, e)
+            raise UpstreamError(f"remote tokenization at backend {name} failed", backend=name) from e
+
+
+def local_ids(
+    rt: ModelRuntime, body: dict[str, Any], kind: str, lora: dict[str, Any] | None, salt: str | None,
+    rendered: Rendered | None = None,
+) -> Ids:
+    """Tokenize and hash with the model's own tokenizer (any thread)."""
+    tok = rt.tokenizer
+    assert tok is not None
+    t0 = time.perf_counter()
+    try:
+        if rendered is not None:  # one text, no truncation: see PromptTokenizer.prompt_text
+            # The sampled full-tokenization check costs a whole cold tokenization: never
+            # here, which may be the event loop (see router.settle).
+            first = rendered.ids or tok.text_ids(rendered.text, rendered.add_special, check=False)
+            lengths = [len(first)]
+        elif kind == "chat":
+            first = tok.chat_ids(body)
+            lengths = [len(first)]
+        else:
+            prompts = tok.completion_ids(body)
+            first = prompts[0] if prompts else []
+            lengths = [len(p) for p in prompts]
+    except UnsupportedPrompt:
+        raise
+    except TokenizeError as e:
+        raise BadRequest(str(e)) from e
+    t1 = time.perf_counter()
+    keys = rt.hash_cache.hash_int64(first, lora=lora, cache_salt=salt)
+    return Ids(first, lengths, keys, t1 - t0, time.perf_counter() - t1)

@@ -1,0 +1,141 @@
+"""The request path, top to bottom: parse, resolve model, plan, look up, choose, send, settle.
+
+Every OpenAI request takes these stages in this order, each in a module of its own:
+
+1. **parse** (:mod:`router.parse`): the bounded body, decoded once; the fields routing reads;
+2. **resolve model** (:mod:`router.runtime`): the served name to its model (and LoRA key);
+3. **plan** (:mod:`router.plans`): which block keys to route on: every id of the prompt,
+   or part of them (a cold prompt's first block, a seen history's cached ids, a
+   remembered history's keys) with the rest owed to the background;
+4. **look up** (the index, :mod:`indexer.index`): leading blocks per backend and tier;
+5. **choose** (:mod:`router.choose`): candidates with their load; the policy decides;
+6. **send** (:mod:`router.proxy`): the original bytes to the chosen backend, retried on
+   the next before any byte came back, relayed as they arrive;
+7. **settle** (:mod:`router.settle`): what the plan owes, on the background thread.
+
+Stages 1-5 are pure deciding (:meth:`RequestPath.decide`): they change no routing state,
+count nothing and start nothing, so ``POST /debug/route`` runs them too (on the exact ids).
+:meth:`RequestPath.send` is the acting half: the load ticket, the policy's commit, the
+counters, the owed work and the proxied exchange.
+
+Completions with a list of prompts are routed on the first prompt (all are checked
+against ``max_model_len``): vLLM schedules each prompt as its own request, so only one
+of them can decide the backend, and batches usually share their prefix anyway.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from indexer.index import Index, Worker
+from router import metrics
+from router.choose import Decided, candidates, commit, prefill_tokens
+from router.config import RouterSettings
+from router.errors import NoHealthyBackend
+from router.load import LoadTracker
+from router.parse import session_key, validate_fields
+from router.plans import ExactIds, Planner, Query
+from router.policies.base import RequestCtx
+from router.proxy import ProxyResponse, Upstream, Upstreams
+from router.runtime import ModelRuntime, Models
+from router.settle import Settler
+
+
+class RequestPath:
+    """The stages wired together for one router (built by :class:`router.core.Router`)."""
+
+    def __init__(
+        self, settings: RouterSettings, models: Models, index: Index, loads: LoadTracker, upstreams: Upstreams,
+        planner: Planner, settler: Settler, streams: metrics.StreamView,
+    ) -> None:
+        self.settings = settings
+        self.models = models
+        self.index = index
+        self.loads = loads
+        self.upstreams = upstreams
+        self.planner = planner
+        self.settler = settler
+        self.streams = streams
+
+    async def decide(self, body: dict[str, Any], raw_len: int, kind: str, headers: Any, *, act: bool = False) -> Decided:
+        """Stages 2-5 for a parsed body. With ``act`` (a request about to be sent) the plan
+        may defer tokenizing, and the request waits, bounded, for one with the same new
+        first block that is still settling; without it (``/debug/route``) the plan is
+        always the exact ids, the answer the contract promises."""
+        started = time.perf_counter()
+        rt, lora = self.models.resolve(body)
+        salt = validate_fields(body, kind)
+        q = Query(rt, body, kind, raw_len, lora, salt)
+        plan = await self.planner.plan(q) if act else await self.planner.exact(q)
+        hits: dict[Worker, dict[str, int]] = {}
+        lookup_s = 0.0
+        if plan.deferred:
+            hits, lookup_s = await self._look_up(rt, plan.keys)
+            if not plan.holds(hits, self.settler.known, rt):  # type: ignore[attr-defined]
+                plan = await self.planner.exact(q, plan.prompt, "known")  # type: ignore[attr-defined]
+        if not plan.deferred and plan.keys:
+            if act:
+                await self.settler.after_pending(rt.name, plan.keys[0])
+            hits, lookup_s = await self._look_up(rt, plan.keys)
+        cands = candidates(rt, hits, self.upstreams.pool, self.loads)
+        if not any(c.healthy for c in cands):
+            raise NoHealthyBackend(f"no healthy backend for model {rt.name!r}")
+        ctx = RequestCtx(
+            model=rt.name,
+            num_tokens=plan.num_tokens,
+            block_size=rt.config.block_size,
+            keys=plan.keys,
+            session_key=session_key(body, headers, self.settings.session_header),
+            events_connected=rt.has_events and self.streams.connected(rt.backends),
+        )
+        if rt.engines is not None:
+            await rt.engines.observe(ctx, cands, plan.token_ids, body, kind)
+        decision = rt.policy.choose(ctx, cands)
+        if isinstance(plan, ExactIds) and plan.unsupported:
+            decision.reason = "fallback"
+        decision.detail["prepare_s"] = time.perf_counter() - started
+        if plan.deferred:
+            decision.detail["deferred_tokens"] = plan.num_tokens
+        return Decided(q, plan, ctx, cands, decision, lookup_s)
+
+    async def _look_up(self, rt: ModelRuntime, keys: list[int]) -> tuple[dict[Worker, dict[str, int]], float]:
+        t0 = time.perf_counter()
+        hits = await self.index.lookup(rt.name, keys)
+        return hits, time.perf_counter() - t0
+
+    def send(
+        self, d: Decided, path: str, raw: bytes, headers: dict[str, str], client_authorization: str | None, started: float,
+    ) -> ProxyResponse:
+        """Stages 6 and 7: account the request on its backend, let the policy learn, count
+        the decision, schedule what the plan owes, and hand the original bytes to the
+        proxy. Everything before the proxy's first await runs now, so the next decision
+        already sees this request (its load, its remembered prefix, its pending settle)."""
+        chosen = d.decision.backend
+        prefill = prefill_tokens(d.ctx, d.candidates)
+        ticket = self.loads.acquire(chosen, d.ctx.keys, prefill[chosen])
+        commit(d, chosen)
+        _count(d)
+        return ProxyResponse(self.upstreams, Upstream(
+            path, raw, headers, d.decision.order, d.rt.name, d.rt.policy.name, started,
+            stream=d.q.body.get("stream") is True,
+            keys=d.ctx.keys,
+            prefill_tokens=prefill,
+            ticket=ticket,
+            reason=d.decision.reason if self.settings.expose_decision_headers else None,
+            client_authorization=client_authorization,
+            on_fallback=lambda backend: commit(d, backend),
+            on_done=self.settler.owe(d, ticket),
+        ))
+
+
+def _count(d: Decided) -> None:
+    """The plan's outcome and what planning and looking up cost, for a request really sent."""
+    name, plan = d.rt.name, d.plan
+    if plan.outcome is not None:
+        metrics.child(metrics.COLD_PATH, name, plan.outcome).inc()
+    if isinstance(plan, ExactIds) and not plan.unsupported:
+        metrics.child(metrics.TOKENIZE_SECONDS, name).observe(plan.ids.tokenize_s)
+        metrics.child(metrics.HASH_SECONDS, name).observe(plan.ids.hash_s)
+    if d.lookup_s:
+        metrics.child(metrics.LOOKUP_SECONDS, name).observe(d.lookup_s)
