@@ -30,11 +30,9 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-import jinja2
-import jinja2.meta
-from jinja2 import nodes
-
 ContentFormat = Literal["string", "openai"]
+"""How the template wants message content: one string, or a list of text-part dicts
+(router.chat_template.detect_content_format)."""
 
 BILLING_HEADER_PREFIX = "x-anthropic-billing-header"
 
@@ -63,48 +61,6 @@ class ChatRequestError(ValueError):
 
 class UnsupportedContentError(ValueError):
     """Valid for vLLM, but needs the engine's multimodal processor (images, audio, files)."""
-
-
-def detect_content_format(template: str) -> ContentFormat:
-    """``"openai"`` when the template iterates over a message's content, else ``"string"``.
-
-    Mirrors vLLM's detection: the template's AST is searched for a ``for`` loop whose
-    iterable is ``<x>.content`` / ``<x>["content"]`` (or a variable assigned from one).
-    """
-    try:
-        ast = jinja2.Environment().parse(template)
-    except jinja2.TemplateSyntaxError:
-        return "string"
-    content_vars = {
-        target.name
-        for assign in ast.find_all(nodes.Assign)
-        if isinstance(assign.target, nodes.Name) and _is_content_access(assign.node)
-        for target in [assign.target]
-    }
-    for loop in ast.find_all(nodes.For):
-        it = loop.iter
-        if isinstance(it, nodes.Filter) and it.node is not None:
-            it = it.node
-        if _is_content_access(it) or (isinstance(it, nodes.Name) and it.name in content_vars):
-            return "openai"
-    return "string"
-
-
-def _is_content_access(node: nodes.Node) -> bool:
-    if isinstance(node, nodes.Getattr):
-        return node.attr == "content"
-    if isinstance(node, nodes.Getitem):
-        return isinstance(node.arg, nodes.Const) and node.arg.value == "content"
-    return False
-
-
-def template_variables(template: str) -> frozenset[str]:
-    """Names the template reads from its context; other ``chat_template_kwargs`` are dropped."""
-    try:
-        ast = jinja2.Environment().parse(template)
-    except jinja2.TemplateSyntaxError:
-        return frozenset()
-    return frozenset(jinja2.meta.find_undeclared_variables(ast))
 
 
 def filter_template_kwargs(kwargs: Any, allowed: frozenset[str]) -> dict[str, Any]:
@@ -292,13 +248,3 @@ def _normalize_tool_call(where: str, call: Any) -> dict[str, Any]:
     elif not isinstance(arguments, (dict, list)):
         function["arguments"] = {}
     return out
-
-
-def template_mentions_role(template: str, role: str) -> bool:
-    """Whether the template handles ``role`` itself (it names it as a string literal)."""
-    try:
-        ast = jinja2.Environment().parse(template)
-    except jinja2.TemplateSyntaxError:
-        return False
-    return any(isinstance(c.value, str) and c.value == role for c in ast.find_all(nodes.Const))
-

@@ -26,14 +26,11 @@ import jinja2
 from router.chat_render import (
     ChatRequestError,
     UnsupportedContentError,
-    detect_content_format,
     filter_template_kwargs,
     normalize_messages,
     normalize_tools,
-    template_mentions_role,
-    template_variables,
 )
-from router.fast_sandbox import speed_up
+from router.chat_template import ChatTemplate
 from router.prompt_fields import (
     EMPTY_PROMPT,
     TokenizeError,
@@ -83,7 +80,7 @@ class PromptTokenizer:
         self.segments = SegmentTokenizer(
             hf_tokenizer, name=name, cache_tokens=segment_cache_tokens, verify_rate=verify_rate, enabled=use_segments, rng=rng
         )
-        self._template_info: dict[str, tuple[str, Any, frozenset[str], bool]] = {}
+        self._templates: dict[str, ChatTemplate] = {}
         self._special_prefix, self._special_suffix = self._special_wrapping()
 
     @classmethod
@@ -171,26 +168,23 @@ class PromptTokenizer:
             raise TokenizeError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
         try:
             tools = normalize_tools(body.get("tools"))
-            template, content_format, variables, has_developer = self._template(tools is not None)
+            template = self._template(tools is not None)
             conversation = normalize_messages(
-                body.get("messages"), content_format=content_format, template_has_developer=has_developer
+                body.get("messages"), content_format=template.content_format, template_has_developer=template.has_developer
             )
-            kwargs = filter_template_kwargs(body.get("chat_template_kwargs"), variables)
+            kwargs = filter_template_kwargs(body.get("chat_template_kwargs"), template.variables)
         except UnsupportedContentError as e:
             raise UnsupportedPrompt(str(e)) from e
         except ChatRequestError as e:
             raise TokenizeError(str(e)) from e
-        documents = body.get("documents")
         try:
-            text = self._hf.apply_chat_template(
+            text = template.render(
                 conversation,
                 tools=tools,
-                documents=documents,
-                chat_template=template,
+                documents=body.get("documents"),
                 add_generation_prompt=agp,
                 continue_final_message=cfm,
-                tokenize=False,
-                **kwargs,
+                kwargs=kwargs,
             )
         except (jinja2.TemplateError, ValueError, TypeError, KeyError, IndexError) as e:
             raise TokenizeError(f"chat template error: {e}") from e
@@ -280,19 +274,23 @@ class PromptTokenizer:
 
     # -- internals --------------------------------------------------------------
 
-    def _template(self, with_tools: bool) -> tuple[str, Any, frozenset[str], bool]:
+    def _template(self, with_tools: bool) -> ChatTemplate:
+        """The tokenizer's chat template (its ``tool_use`` one for requests with tools,
+        where it has one), compiled on first use like transformers does."""
         key = "tool_use" if with_tools else "default"
-        info = self._template_info.get(key)
-        if info is None:
+        template = self._templates.get(key)
+        if template is None:
             raw = self._hf.chat_template
             if isinstance(raw, dict):
                 raw = raw.get(key) or raw.get("default")
             if not isinstance(raw, str):
                 raise TokenizeError(f"tokenizer {self.name!r} has no chat template")
-            info = (raw, detect_content_format(raw), template_variables(raw), template_mentions_role(raw, "developer"))
-            speed_up(raw)
-            self._template_info[key] = info
-        return info
+            try:
+                template = ChatTemplate(raw, self._hf.special_tokens_map)
+            except jinja2.TemplateError as e:
+                raise TokenizeError(f"chat template error: {e}") from e
+            self._templates[key] = template
+        return template
 
     def _truncate(self, ids: list[int], truncate: Any, add_special: bool) -> list[int]:
         """vLLM's ``truncate_prompt_tokens``: keep the last N (left truncation).
