@@ -26,11 +26,7 @@ Every render is checked equal to the stock one.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
-import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -40,9 +36,7 @@ from router.chat_template import ChatTemplate, build_environment
 from router.fast_sandbox import MemoSandbox
 from router.tokenize import PromptTokenizer
 
-REPO = Path(__file__).resolve().parents[1]
-QWEN3 = REPO / "loadtest" / "data" / "tokenizers" / "qwen3"
-SHAREGPT = REPO / "loadtest" / "data" / "traces" / "sharegpt_multiturn_150.json"
+from bench_tokenize import QWEN3, corpus_ids, median_ms  # the script beside this one
 
 TOOLS = [
     {
@@ -61,16 +55,6 @@ TOOLS = [
 ]
 
 
-def corpus(tok: PromptTokenizer, n_tokens: int) -> list[int]:
-    ids: list[int] = []
-    for conv in json.loads(SHAREGPT.read_text()):
-        for turn in conv["conversations"]:
-            ids.extend(tok.encode_full(turn["value"] + "\n"))
-            if len(ids) >= n_tokens:
-                return ids
-    return ids
-
-
 def chat(tok: PromptTokenizer, ids: list[int], turns: int, tokens: int) -> list[dict[str, str]]:
     per = max(1, (tokens - 40) // turns)
     msgs = [{"role": "system", "content": tok.decode(ids[:40])}]
@@ -81,16 +65,6 @@ def chat(tok: PromptTokenizer, ids: list[int], turns: int, tokens: int) -> list[
     return msgs
 
 
-def median_ms(fn: Callable[[], object], reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1000)
-    return statistics.median(times)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=200)
@@ -99,7 +73,7 @@ def main() -> None:
     tok = PromptTokenizer.load(str(QWEN3), verify_rate=0.0)
     hf = tok._hf
     template = hf.chat_template
-    ids = corpus(tok, 12_000)
+    ids = corpus_ids(tok, 12_000)
     cases: dict[str, dict[str, Any]] = {
         "short (system + 1 turn)": {"messages": chat(tok, ids, 1, 60)},
         "medium (10 turns, 2k)": {"messages": chat(tok, ids, 10, 2_000)},
@@ -129,7 +103,7 @@ def main() -> None:
         fns = renders(body)
         texts = {k: fn() for k, fn in fns.items()}
         assert len(set(texts.values())) == 1, f"{name}: renders differ"
-        ms = {k: median_ms(fn, args.reps) for k, fn in fns.items()}
+        ms = {k: median_ms(lambda _, fn=fn: fn(), args.reps) for k, fn in fns.items()}
         n = len(tok.encode_full(texts["stock"]))
         s, m = ms["stock"], ms["memo"]
         print(f"{name:32} {n:7d} {s:9.3f} {ms['own stock']:10.3f} {m:8.3f} {s - m:9.3f} {s / m:10.2f}x {ms['router']:10.3f}")
