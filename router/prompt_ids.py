@@ -120,8 +120,8 @@ class IdSource:
         backend = self.pool.get(name)
         try:
             if kind == "chat":
-                return [await rt.remote.chat_ids(backend.url, body, backend.client)]
-            return await rt.remote.completion_ids(backend.url, body, backend.client)
+                return [await rt.remote.chat_ids(backend.url, body, backend.http)]
+            return await rt.remote.completion_ids(backend.url, body, backend.http)
         except TokenizeError as e:
             raise BadRequest(str(e)) from e
         except RemoteTokenizeError as e:

@@ -10,6 +10,7 @@ routing.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import threading
@@ -17,7 +18,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, Literal
 
-import httpx
+import aiohttp
+import msgspec
 from prometheus_client import Counter, Gauge
 
 from router.prompt_fields import TokenizeError, all_token_ids, bool_field, completion_prompts, keep_last
@@ -69,13 +71,13 @@ class RemoteTokenizer:
         self.model = model
         self.timeout = timeout
 
-    async def chat_ids(self, base_url: str, body: dict[str, Any], client: httpx.AsyncClient) -> list[int]:
+    async def chat_ids(self, base_url: str, body: dict[str, Any], client: aiohttp.ClientSession) -> list[int]:
         payload: dict[str, Any] = {"model": self.model}
         payload.update({k: body[k] for k in _TOKENIZE_CHAT_FIELDS if body.get(k) is not None})
         ids = await self._tokenize(base_url, payload, client)
         return keep_last(ids, body.get("truncate_prompt_tokens"))
 
-    async def completion_ids(self, base_url: str, body: dict[str, Any], client: httpx.AsyncClient) -> list[list[int]]:
+    async def completion_ids(self, base_url: str, body: dict[str, Any], client: aiohttp.ClientSession) -> list[list[int]]:
         add_special = bool_field(body, "add_special_tokens", True)
         out: list[list[int]] = []
         for prompt in completion_prompts(body.get("prompt")):
@@ -85,35 +87,38 @@ class RemoteTokenizer:
             out.append(keep_last(prompt, body.get("truncate_prompt_tokens")))
         return out
 
-    async def _tokenize(self, base_url: str, payload: dict[str, Any], client: httpx.AsyncClient) -> list[int]:
+    async def _tokenize(self, base_url: str, payload: dict[str, Any], client: aiohttp.ClientSession) -> list[int]:
+        """One ``/tokenize`` call over the backend's pooled session (the router's one
+        upstream HTTP stack: see router/backends.py)."""
         url = base_url.rstrip("/") + "/tokenize"
         try:
-            r = await client.post(url, json=payload, timeout=self.timeout)
-        except httpx.HTTPError as e:
+            async with client.post(url, json=payload, timeout=aiohttp.ClientTimeout(total=self.timeout)) as r:
+                status, raw = r.status, await r.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             raise RemoteTokenizeError(f"{url}: {e!r}") from e
-        if 400 <= r.status_code < 500:
-            raise TokenizeError(_error_message(r))
-        if r.status_code != 200:
-            raise RemoteTokenizeError(f"{url} answered {r.status_code}: {r.text[:200]}")
+        if 400 <= status < 500:
+            raise TokenizeError(_error_message(status, raw))
+        if status != 200:
+            raise RemoteTokenizeError(f"{url} answered {status}: {raw[:200].decode('utf-8', 'replace')}")
         try:
-            tokens = r.json()["tokens"]
-        except (ValueError, KeyError, TypeError) as e:
+            tokens = msgspec.json.decode(raw)["tokens"]
+        except (msgspec.DecodeError, KeyError, TypeError) as e:
             raise RemoteTokenizeError(f"{url} answered without a token list") from e
         if not isinstance(tokens, list) or not all_token_ids(tokens):
             raise RemoteTokenizeError(f"{url} answered a malformed token list")
         return tokens
 
 
-def _error_message(r: httpx.Response) -> str:
+def _error_message(status: int, raw: bytes) -> str:
     try:
-        err = r.json().get("error")
+        err = msgspec.json.decode(raw).get("error")
         if isinstance(err, dict) and isinstance(err.get("message"), str):
             return err["message"]
         if isinstance(err, str):
             return err
-    except (ValueError, AttributeError):
+    except (msgspec.DecodeError, AttributeError):
         pass
-    return r.text[:500] or f"backend answered {r.status_code}"
+    return raw[:500].decode("utf-8", "replace") or f"backend answered {status}"
 
 
 class ParityGuard:
@@ -184,12 +189,12 @@ class ParityGuard:
         return matched
 
     async def check_chat(
-        self, local_ids: list[int], body: dict[str, Any], remote: RemoteTokenizer, base_url: str, client: httpx.AsyncClient
+        self, local_ids: list[int], body: dict[str, Any], remote: RemoteTokenizer, base_url: str, client: aiohttp.ClientSession
     ) -> bool:
         return self.record(local_ids, await remote.chat_ids(base_url, body, client))
 
     async def check_completion(
-        self, local_ids: list[list[int]], body: dict[str, Any], remote: RemoteTokenizer, base_url: str, client: httpx.AsyncClient
+        self, local_ids: list[list[int]], body: dict[str, Any], remote: RemoteTokenizer, base_url: str, client: aiohttp.ClientSession
     ) -> bool:
         remote_ids = await remote.completion_ids(base_url, body, client)
         return self.record([t for p in local_ids for t in p], [t for p in remote_ids for t in p])

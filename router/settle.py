@@ -172,9 +172,9 @@ class Settler:
         backend = self.pool.get(name)
         try:
             if kind == "chat":
-                await rt.guard.check_chat(local_first, body, rt.remote, backend.url, backend.client)
+                await rt.guard.check_chat(local_first, body, rt.remote, backend.url, backend.http)
             else:
-                remote = await rt.remote.completion_ids(body=body, base_url=backend.url, client=backend.client)
+                remote = await rt.remote.completion_ids(body=body, base_url=backend.url, client=backend.http)
                 rt.guard.record(local_first, remote[0] if remote else [])
         except Exception as e:  # noqa: BLE001 - a failed sample check is only logged
             log.debug("parity check against %s failed: %r", name, e)

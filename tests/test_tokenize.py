@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
+import aiohttp
 import pytest
 from prometheus_client import REGISTRY
 from transformers import PreTrainedTokenizerFast
@@ -340,7 +340,7 @@ def _run(coro: Any) -> Any:
 
 
 async def _with_client(fn: Any) -> Any:
-    async with httpx.AsyncClient() as client:
+    async with aiohttp.ClientSession() as client:
         return await fn(client)
 
 
@@ -387,7 +387,7 @@ def test_parity_guard_counts_matches_and_stays_local(peer_url: str, qwen3: Promp
     remote = RemoteTokenizer("qwen3")
     same = [c for c in CASES if c["endpoint"] == "chat" and c["prompt_token_ids"] is not None and c["hf_token_ids"] == c["prompt_token_ids"]][:10]
 
-    async def check_all(client: httpx.AsyncClient) -> list[bool]:
+    async def check_all(client: aiohttp.ClientSession) -> list[bool]:
         return [await guard.check_chat(qwen3.chat_ids(c["request"]), c["request"], remote, peer_url, client) for c in same]
 
     assert all(_run(_with_client(check_all)))
@@ -406,7 +406,7 @@ def test_parity_guard_auto_switches_to_remote_after_persistent_mismatches(peer_u
     assert len(differ) >= 3
     results: list[bool] = []
 
-    async def check(client: httpx.AsyncClient) -> None:
+    async def check(client: aiohttp.ClientSession) -> None:
         for c in differ[:3]:
             assert guard.should_check()
             results.append(await guard.check_chat(qwen3.chat_ids(c["request"]), c["request"], remote, peer_url, client))
