@@ -22,7 +22,8 @@ renderer (``tests/fixtures/golden/render_vectors_*``) and a comparison with
 
 The analyses vLLM makes of the template before rendering (content format, the variables
 it reads, whether it knows the ``developer`` role) live here too: they read the
-template, not the request.
+template, not the request, and parse it with the same extensions (a template with
+``{% break %}`` or ``{% generation %}`` does not parse without them).
 """
 
 from __future__ import annotations
@@ -176,7 +177,7 @@ def detect_content_format(template: str) -> ContentFormat:
     iterable is ``<x>.content`` / ``<x>["content"]`` (or a variable assigned from one).
     """
     try:
-        ast = jinja2.Environment().parse(template)
+        ast = ENVIRONMENT.parse(template)
     except jinja2.TemplateSyntaxError:
         return "string"
     content_vars = {
@@ -205,16 +206,13 @@ def _is_content_access(node: nodes.Node) -> bool:
 def template_variables(template: str) -> frozenset[str]:
     """Names the template reads from its context; other ``chat_template_kwargs`` are dropped."""
     try:
-        ast = jinja2.Environment().parse(template)
+        ast = ENVIRONMENT.parse(template)
     except jinja2.TemplateSyntaxError:
         return frozenset()
     return frozenset(jinja2.meta.find_undeclared_variables(ast))
 
 
 def template_mentions_role(template: str, role: str) -> bool:
-    """Whether the template handles ``role`` itself (it names it as a string literal)."""
-    try:
-        ast = jinja2.Environment().parse(template)
-    except jinja2.TemplateSyntaxError:
-        return False
-    return any(isinstance(c.value, str) and c.value == role for c in ast.find_all(nodes.Const))
+    """Whether the template handles ``role`` itself: vLLM's test, the role's name quoted
+    anywhere in the template text."""
+    return f'"{role}"' in template or f"'{role}'" in template

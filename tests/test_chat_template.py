@@ -148,6 +148,24 @@ def test_golden_renderings_notice_a_wrong_environment(mutant: str, monkeypatch: 
     assert diverged
 
 
+def test_a_template_using_break_still_gets_the_kwargs_it_reads() -> None:
+    """vLLM finds a template's variables by parsing it with transformers' extensions; a
+    parser without loopcontrols would fail on ``{% break %}`` and drop every kwarg."""
+    tok = PromptTokenizer.load(str(QWEN3_DIR), name="break-template")
+    tok._hf.chat_template = (
+        "{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{{ m.content }}{% endfor %}"
+        "{% if flavour is defined %} [{{ flavour }}]{% endif %}"
+    )
+    body = {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"flavour": "mint", "other": 1}}
+    assert tok.render_chat(body) == "x [mint]"
+
+
+def test_developer_role_support_is_vllms_quoted_name_check() -> None:
+    assert ChatTemplate("{% if m.role == 'developer' %}{% endif %}", {}).has_developer
+    assert ChatTemplate('{# "developer" #}', {}).has_developer  # vLLM reads the text, comments too
+    assert not ChatTemplate("{{ developer }}", {}).has_developer
+
+
 def test_a_template_that_does_not_compile_is_a_400() -> None:
     tok = PromptTokenizer.load(str(QWEN3_DIR), name="broken-template")
     tok._hf.chat_template = "{% if %}"
