@@ -3,10 +3,11 @@
 The router hashes the same token ids the engine will hash, so these must match vLLM's
 renderer bit for bit: a single differing token shifts every later block hash and turns
 every prefix-cache hit into a miss. Chat requests are normalised like vLLM
-(router.chat_render), rendered with the model's own chat template, and tokenized with
-the same HF tokenizer and flags vLLM uses.
+(router.chat_render), rendered with the model's own chat template
+(router.chat_template), and tokenized with the same HF tokenizer and flags vLLM uses.
 
-This module is what the request path calls. The work is in three others, each with one job:
+This module is what the request path calls. The rest of the work is in three others,
+each with one job:
 
 * router.prompt_fields: the request's prompt fields, read as vLLM reads them;
 * router.segments: tokenize only the segments of a prompt not seen before;
@@ -17,6 +18,7 @@ Their public names are re-exported here, where callers have always imported them
 
 from __future__ import annotations
 
+import random
 import threading
 from pathlib import Path
 from typing import Any
@@ -72,7 +74,7 @@ class PromptTokenizer:
         segment_cache_tokens: int = DEFAULT_SEGMENT_CACHE_TOKENS,
         verify_rate: float = 0.01,
         use_segments: bool = True,
-        rng: Any = None,
+        rng: random.Random | None = None,
     ) -> None:
         self._hf = hf_tokenizer
         self.name = name
