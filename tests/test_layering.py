@@ -51,3 +51,35 @@ def test_every_first_party_package_has_a_place_in_the_order() -> None:
     packages = {p.parent.name for p in ROOT.glob("*/__init__.py")}
     assert packages <= set(ORDER), f"add {sorted(packages - set(ORDER))} to ORDER and docs/architecture.md"
     assert all(modules(p) for p in ORDER)
+
+
+REQUEST_PATH = ["parse", "runtime", "prompt_ids", "plans", "choose", "settle", "proxy", "request_path", "core", "app", "server"]
+"""The request path's modules in dependency order (docs/architecture.md, "The request
+path"): each may import the ones before it; the rest of ``router/`` (config, errors,
+metrics, load, backends, background, the tokenizer's modules, cold, history, policies)
+is what they stand on and imports none of them."""
+
+
+def router_imports(path: Path) -> set[tuple[str, int]]:
+    """(module under ``router/``, line) for every ``router.X`` import in ``path``."""
+    found: set[tuple[str, int]] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module] + ([f"router.{a.name}" for a in node.names] if node.module == "router" else [])
+        else:
+            continue
+        found.update((n.split(".")[1], node.lineno) for n in names if n.startswith("router.") and n.count(".") >= 1)
+    return found
+
+
+def test_the_request_path_modules_import_only_the_stages_before_them() -> None:
+    breaks = []
+    for path in modules("router"):
+        name = path.stem if path.parent.name == "router" else path.parent.name
+        allowed = set(REQUEST_PATH[: REQUEST_PATH.index(name)]) if name in REQUEST_PATH else set()
+        breaks += [f"{path.relative_to(ROOT)}:{line} imports router.{imported}"
+                   for imported, line in sorted(router_imports(path))
+                   if imported in REQUEST_PATH and imported not in allowed]
+    assert not breaks, "the request path's order (docs/architecture.md) is broken:\n" + "\n".join(breaks)
