@@ -17,18 +17,22 @@ ROOT = Path(__file__).resolve().parent.parent
 ORDER = ["kvconfig", "indexer", "router", "loadtest"]
 
 
-def imported_packages(path: Path) -> set[tuple[str, int]]:
-    """(first-party top-level package, line) for every import in ``path``."""
+def imports(path: Path) -> set[tuple[str, int]]:
+    """(dotted name, line) for every absolute import in ``path``; ``from a.b import c``
+    gives ``a.b`` and ``a.b.c`` (``c`` may be a module)."""
     found: set[tuple[str, int]] = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
+            found.update((a.name, node.lineno) for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names = [node.module]
-        else:
-            continue
-        found.update((n.split(".")[0], node.lineno) for n in names if n.split(".")[0] in ORDER)
+            found.add((node.module, node.lineno))
+            found.update((f"{node.module}.{a.name}", node.lineno) for a in node.names)
     return found
+
+
+def imported_packages(path: Path) -> set[tuple[str, int]]:
+    """(first-party top-level package, line) for every import in ``path``."""
+    return {(name.split(".")[0], line) for name, line in imports(path) if name.split(".")[0] in ORDER}
 
 
 def modules(package: str) -> list[Path]:
@@ -62,16 +66,7 @@ is what they stand on and imports none of them."""
 
 def router_imports(path: Path) -> set[tuple[str, int]]:
     """(module under ``router/``, line) for every ``router.X`` import in ``path``."""
-    found: set[tuple[str, int]] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names = [node.module] + ([f"router.{a.name}" for a in node.names] if node.module == "router" else [])
-        else:
-            continue
-        found.update((n.split(".")[1], node.lineno) for n in names if n.startswith("router.") and n.count(".") >= 1)
-    return found
+    return {(name.split(".")[1], line) for name, line in imports(path) if name.startswith("router.")}
 
 
 def test_the_request_path_modules_import_only_the_stages_before_them() -> None:
