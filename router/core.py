@@ -57,7 +57,7 @@ class Router:
         planner = Planner(
             IdSource(self.executor, self.pool, s.inline_tokenize_bytes),
             defer=s.defer_cold_prompts, inline_bytes=s.inline_tokenize_bytes,
-            busy=lambda: self.background.full, known=self.settler.known,
+            busy=lambda: self.background.full,
         )
         self.path = RequestPath(s, self.models, self.index, self.loads, Upstreams(self.pool, self.loads, s.retries),
                                 planner, self.settler, self.streams)

@@ -43,7 +43,7 @@ from router.errors import BadRequest
 from router.history import Chain, Hit, chain_of, digest
 from router.prompt_ids import IdSource, Ids, Rendered
 from router.runtime import ModelRuntime, check_length, length_error
-from router.tokenize import PromptTokenizer, TokenizeError, UnsupportedPrompt
+from router.tokenize import PromptTokenizer, Scan, TokenizeError, UnsupportedPrompt
 
 
 @dataclass(slots=True)
@@ -69,7 +69,6 @@ class Plan:
     keys: list[int]
     num_tokens: int
     token_ids: list[int]
-    deferred: ClassVar[bool]
 
 
 @dataclass(slots=True)
@@ -82,7 +81,6 @@ class ExactIds(Plan):
     outcome: str | None = None
     unsupported: bool = False
     """A prompt the router cannot tokenize: routed without cache information (reason ``fallback``)."""
-    deferred: ClassVar[bool] = False
 
     @property
     def keys(self) -> list[int]:  # type: ignore[override]
@@ -99,8 +97,9 @@ class ExactIds(Plan):
 
 @dataclass(slots=True)
 class Deferred(Plan):
-    """Routed on part of its ids (``head``, hashed to ``keys``) with an ``estimate`` of its
-    length; owes its full tokenization, which settles its load ticket and the policy's memory."""
+    """Routed on part of its ids (``head``, hashed to ``keys``; none for a remembered
+    history, whose keys are remembered) with ``num_tokens`` an estimate of its length;
+    owes its full tokenization, which settles its load ticket and the policy's memory."""
 
     prompt: Rendered | None
     head: list[int]
@@ -109,7 +108,6 @@ class Deferred(Plan):
     head_chars: int = 0
     """The rendered text its head covers: the rest is bounded by bytes (:meth:`bound`)."""
     token_ids: list[int] = field(default_factory=list)
-    deferred: ClassVar[bool] = True
     registers_pending: ClassVar[bool] = False
     """Whether a request with the same first block waits for its settle (a cold head's burst)."""
 
@@ -119,8 +117,9 @@ class Deferred(Plan):
         None when the mode does not apply (the next one is tried)."""
         raise NotImplementedError
 
-    def holds(self, hits: dict[Any, Any], known: Callable[[ModelRuntime, int], bool], rt: ModelRuntime) -> bool:
-        """Whether the plan stands once its keys were looked up."""
+    def holds(self, rt: ModelRuntime, hits: dict[Any, Any], settling: Callable[[ModelRuntime, int], bool]) -> bool:
+        """Whether the plan stands once its keys were looked up (``settling``: whether a
+        request with this first block is still being tokenized in the background)."""
         return True
 
     def bound(self, probe: HeadProbe) -> int:
@@ -219,8 +218,9 @@ class ColdHead(Deferred):
         keys = rt.hash_cache.hash_int64(head, lora=q.lora, cache_salt=q.salt)
         return cls(r, head, keys, max(len(head), round(len(r.text) * per_char)))
 
-    def holds(self, hits: dict[Any, Any], known: Callable[[ModelRuntime, int], bool], rt: ModelRuntime) -> bool:
-        return not hits and not (rt.memory is not None and rt.memory.remembers(self.keys)) and not known(rt, self.keys[0])
+    def holds(self, rt: ModelRuntime, hits: dict[Any, Any], settling: Callable[[ModelRuntime, int], bool]) -> bool:
+        """Nobody may hold the block: else the full path decides (outcome ``known``)."""
+        return not hits and not (rt.memory is not None and rt.memory.remembers(self.keys)) and not settling(rt, self.keys[0])
 
     def bound(self, probe: HeadProbe) -> int:
         assert self.prompt is not None
@@ -242,25 +242,26 @@ class Draft:
     def __init__(self, q: Query, inline_bytes: int) -> None:
         self.q = q
         self.inline_bytes = inline_bytes
-        self._prompt: tuple[str, bool] | None | bool = False
-        self._rendered: Rendered | None | bool = False
-        self.scan: Any = None
+        self._prompt: Any = _UNSET
+        self._rendered: Any = _UNSET
+        self.scan: Scan | None = None
+        """What the segment cache holds of a long prompt (None: not scanned, or short)."""
 
     def prompt(self) -> tuple[str, bool] | None:
         """The prompt text of a single-text request (None: not one, or not for this router)."""
-        if self._prompt is False:
+        if self._prompt is _UNSET:
             tok = self.q.rt.tokenizer
             self._prompt = _render(tok, self.q.body, self.q.kind) if tok is not None else None
-        return self._prompt  # type: ignore[return-value]
+        return self._prompt  # type: ignore[no-any-return]
 
     @property
     def rendered(self) -> Rendered | None:
         """What :meth:`scanned` found, if a mode asked (the full path reuses it)."""
-        return self._rendered if isinstance(self._rendered, Rendered) else None
+        return None if self._rendered is _UNSET else self._rendered  # type: ignore[no-any-return]
 
     def scanned(self) -> Rendered | None:
         """The rendered prompt and what the segment cache lacks of it (a short one unscanned)."""
-        if self._rendered is False:
+        if self._rendered is _UNSET:
             self._rendered = None
             rt = self.q.rt
             prompt = self.prompt() if rt.probe is not None and rt.local else None
@@ -272,23 +273,22 @@ class Draft:
                     assert rt.tokenizer is not None
                     self.scan = scan = rt.tokenizer.scan(text, add_special)
                     self._rendered = Rendered(text, add_special, scan.uncached_chars, scan.head if scan.complete else None)
-        return self._rendered  # type: ignore[return-value]
+        return self._rendered  # type: ignore[no-any-return]
+
+
+_UNSET = object()
 
 
 class Planner:
     """Chooses each request's mode (see the module docstring)."""
 
-    def __init__(
-        self, ids: IdSource, *, defer: bool, inline_bytes: int, busy: Callable[[], bool],
-        known: Callable[[ModelRuntime, int], bool],
-    ) -> None:
+    def __init__(self, ids: IdSource, *, defer: bool, inline_bytes: int, busy: Callable[[], bool]) -> None:
         self.ids = ids
         self.defer = defer
+        """``router.defer_cold_prompts``: whether any mode but the full path is tried."""
         self.inline_bytes = inline_bytes
         self.busy = busy
         """Whether background work is behind (:attr:`router.background.Background.full`)."""
-        self.known = known
-        """Whether a request with this first block is still settling (:mod:`router.settle`)."""
 
     async def plan(self, q: Query) -> Plan:
         rt = q.rt

@@ -129,6 +129,12 @@ class IdSource:
             raise UpstreamError(f"remote tokenization at backend {name} failed", backend=name) from e
 
 
+def observe_ids(rt: ModelRuntime, ids: Ids) -> None:
+    """Count what computing ``ids`` cost, when the request they route is sent (or settled)."""
+    metrics.child(metrics.TOKENIZE_SECONDS, rt.name).observe(ids.tokenize_s)
+    metrics.child(metrics.HASH_SECONDS, rt.name).observe(ids.hash_s)
+
+
 def local_ids(
     rt: ModelRuntime, body: dict[str, Any], kind: str, lora: dict[str, Any] | None, salt: str | None,
     rendered: Rendered | None = None,

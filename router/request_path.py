@@ -35,8 +35,9 @@ from router.config import RouterSettings
 from router.errors import NoHealthyBackend
 from router.load import LoadTracker
 from router.parse import session_key, validate_fields
-from router.plans import ExactIds, Planner, Query
+from router.plans import Deferred, ExactIds, Planner, Query
 from router.policies.base import RequestCtx
+from router.prompt_ids import observe_ids
 from router.proxy import ProxyResponse, Upstream, Upstreams
 from router.runtime import ModelRuntime, Models
 from router.settle import Settler
@@ -70,11 +71,11 @@ class RequestPath:
         plan = await self.planner.plan(q) if act else await self.planner.exact(q)
         hits: dict[Worker, dict[str, int]] = {}
         lookup_s = 0.0
-        if plan.deferred:
+        if isinstance(plan, Deferred):
             hits, lookup_s = await self._look_up(rt, plan.keys)
-            if not plan.holds(hits, self.settler.known, rt):  # type: ignore[attr-defined]
-                plan = await self.planner.exact(q, plan.prompt, "known")  # type: ignore[attr-defined]
-        if not plan.deferred and plan.keys:
+            if not plan.holds(rt, hits, self.settler.known):
+                plan = await self.planner.exact(q, plan.prompt, "known")
+        if isinstance(plan, ExactIds) and plan.keys:
             if act:
                 await self.settler.after_pending(rt.name, plan.keys[0])
             hits, lookup_s = await self._look_up(rt, plan.keys)
@@ -95,7 +96,7 @@ class RequestPath:
         if isinstance(plan, ExactIds) and plan.unsupported:
             decision.reason = "fallback"
         decision.detail["prepare_s"] = time.perf_counter() - started
-        if plan.deferred:
+        if isinstance(plan, Deferred):
             decision.detail["deferred_tokens"] = plan.num_tokens
         return Decided(q, plan, ctx, cands, decision, lookup_s)
 
@@ -135,7 +136,6 @@ def _count(d: Decided) -> None:
     if plan.outcome is not None:
         metrics.child(metrics.COLD_PATH, name, plan.outcome).inc()
     if isinstance(plan, ExactIds) and not plan.unsupported:
-        metrics.child(metrics.TOKENIZE_SECONDS, name).observe(plan.ids.tokenize_s)
-        metrics.child(metrics.HASH_SECONDS, name).observe(plan.ids.hash_s)
+        observe_ids(d.rt, plan.ids)
     if d.lookup_s:
         metrics.child(metrics.LOOKUP_SECONDS, name).observe(d.lookup_s)

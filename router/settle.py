@@ -35,7 +35,7 @@ from router.errors import BadRequest
 from router.history import Chain, Entry, learn_entries
 from router.load import Ticket
 from router.plans import Deferred, ExactIds, RememberedHistory, rendered_now
-from router.prompt_ids import Rendered, local_ids
+from router.prompt_ids import Ids, Rendered, local_ids, observe_ids
 from router.runtime import ModelRuntime
 from router.tokenize import TokenizeError
 
@@ -104,7 +104,9 @@ class Settler:
         rt = d.rt
         try:
             await _woken(pending.wake)
-            ids, keys, learned = await self.background.run(_settle_job, d, plan)
+            got, learned = await self.background.run(_settle_job, d, plan)
+            ids, keys = got.token_ids, got.keys
+            observe_ids(rt, got)
             plan.verify(rt, ids, keys)
             _remember(rt, learned)
             chosen = next(c for c in d.candidates if c.backend == ticket.load.name)
@@ -180,7 +182,7 @@ class Settler:
             log.debug("parity check against %s failed: %r", name, e)
 
 
-def _settle_job(d: Decided, plan: Deferred) -> tuple[list[int], list[int], list[tuple[int, Entry]]]:
+def _settle_job(d: Decided, plan: Deferred) -> tuple[Ids, list[tuple[int, Entry]]]:
     """A deferred request's ids and keys, and the history entries it teaches (background thread)."""
     rt, q = d.rt, d.q
     tok = rt.tokenizer
@@ -194,7 +196,7 @@ def _settle_job(d: Decided, plan: Deferred) -> tuple[list[int], list[int], list[
     except Exception as e:  # noqa: BLE001 - learning is optional; the settle is not
         log.warning("learning a %s chat history failed: %r", rt.name, e)
         learned = []
-    return ids.token_ids, ids.keys, learned
+    return ids, learned
 
 
 def _history_job(
