@@ -3,13 +3,14 @@
 What a request leaves behind once it is sent runs here: a deferred request's full
 tokenization (:mod:`router.cold`), learning a chat history (:mod:`router.history`), the
 sampled check of a prompt tokenized from its segments, and the asyncio tasks that wait
-for those (settles, parity checks against a backend's ``/tokenize``).
+for those (settles, parity checks against a backend's ``/tokenize``). :mod:`router.settle`
+is the one module that submits: each plan says what it owes, and settle pays it here.
 
 Invariant: every job on the thread is counted in :attr:`Background.queued` from the
 moment it is submitted until it finishes, so :attr:`Background.full` is the one signal
 the request path reads to stop adding work (outcome ``busy``: tokenize on the request
-path instead). Jobs come from the event loop and from the tokenizer pool's threads, so
-the count changes under a lock; reading it needs none.
+path instead). The count changes under a lock (``submit`` may be called from any
+thread); reading it needs none.
 """
 
 from __future__ import annotations

@@ -179,6 +179,9 @@ class FleetCollector(Collector):
         yield GaugeMetricFamily("kvrouter_asyncio_tasks", "Tasks alive on the router's event loop", value=float(tasks))
 
 
+STREAM_STATS_TTL_S = 0.5
+
+
 class StreamView:
     """The KV-event subscriber's per-worker stats as the request path and ``/debug`` read
     them: re-read at most every :data:`STREAM_STATS_TTL_S` (each request asks whether its
@@ -201,9 +204,6 @@ class StreamView:
     def connected(self, backends: list[str]) -> bool:
         """Whether any of ``backends`` has a connected event stream."""
         return any(st.connected for w, st in self.stats().items() if w.backend in backends)
-
-
-STREAM_STATS_TTL_S = 0.5
 
 
 def register_fleet(collector: FleetCollector) -> Callable[[], None]:
