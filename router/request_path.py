@@ -65,11 +65,11 @@ class RequestPath:
         first block that is still settling; without it (``/debug/route``) the plan is
         always the exact ids, the answer the contract promises."""
         started = time.perf_counter()
-        rt, lora = self.models.resolve(body)
+        rt, lora = self.models.resolve(body)  # 2. resolve model
         salt = validate_fields(body, kind)
         q = Query(rt, body, kind, raw_len, lora, salt)
-        plan = await self.planner.plan(q) if act else await self.planner.exact(q)
-        hits: dict[Worker, dict[str, int]] = {}
+        plan = await self.planner.plan(q) if act else await self.planner.exact(q)  # 3. plan
+        hits: dict[Worker, dict[str, int]] = {}  # 4. look up
         lookup_s = 0.0
         if isinstance(plan, Deferred):
             hits, lookup_s = await self._look_up(rt, plan.keys)
@@ -79,7 +79,7 @@ class RequestPath:
             if act:
                 await self.settler.after_pending(rt.name, plan.keys[0])
             hits, lookup_s = await self._look_up(rt, plan.keys)
-        cands = candidates(rt, hits, self.upstreams.pool, self.loads)
+        cands = candidates(rt, hits, self.upstreams.pool, self.loads)  # 5. choose
         if not any(c.healthy for c in cands):
             raise NoHealthyBackend(f"no healthy backend for model {rt.name!r}")
         ctx = RequestCtx(
@@ -112,7 +112,7 @@ class RequestPath:
         the decision, schedule what the plan owes, and hand the original bytes to the
         proxy. Everything before the proxy's first await runs now, so the next decision
         already sees this request (its load, its remembered prefix, its pending settle)."""
-        chosen = d.decision.backend
+        chosen = d.decision.backend  # 6. send
         prefill = prefill_tokens(d.ctx, d.candidates)
         ticket = self.loads.acquire(chosen, d.ctx.keys, prefill[chosen])
         commit(d, chosen)
@@ -126,7 +126,7 @@ class RequestPath:
             reason=d.decision.reason if self.settings.expose_decision_headers else None,
             client_authorization=client_authorization,
             on_fallback=lambda backend: commit(d, backend),
-            on_done=self.settler.owe(d, ticket),
+            on_done=self.settler.owe(d, ticket),  # 7. settle
         ))
 
 
