@@ -60,14 +60,24 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import os
 import struct
+import time
 from collections.abc import Sequence
 
 import redis
 import redis.asyncio as aredis
+from prometheus_client import Counter
 
 from indexer.events import EventBatch
 from indexer.index import DEFAULT_MEDIUM, Hits, Worker, batch_ops, validate_keys
+
+log = logging.getLogger(__name__)
+
+LOOKUP_TIMEOUT_S = 1.0
+"""Longest a lookup waits for Redis (connect or answer) before the request is routed without it."""
+LOOKUP_FAILURES = Counter("kvrouter_index_lookup_failures", "Redis index lookups that failed (routed without cache hits)")
 
 __all__ = ["RedisIndex"]
 
@@ -436,6 +446,10 @@ class RedisIndex:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._aredis: aredis.Redis | None = None
         self._lookup_script: object = None
+        self._epoch: bytes | None = None
+        self.lookup_failures = 0
+        """Lookups answered with no hits because Redis did not answer (see :meth:`lookup`)."""
+        self._failing_since: float | None = None
 
     def _prefix(self, model: str) -> str:
         return f"{self._ns}:{{{model}}}:"
@@ -481,7 +495,8 @@ class RedisIndex:
             return {}
         loop = asyncio.get_running_loop()
         if self._loop is not loop or self._aredis is None:
-            self._aredis = aredis.Redis.from_url(self._url)
+            self._aredis = aredis.Redis.from_url(self._url, socket_timeout=LOOKUP_TIMEOUT_S,
+                                                 socket_connect_timeout=LOOKUP_TIMEOUT_S)
             self._lookup_script = self._aredis.register_script(_LOOKUP)
             self._loop = loop
         try:
@@ -489,7 +504,22 @@ class RedisIndex:
         except (struct.error, TypeError):
             blob = _valid_prefix(keys)
         prefix = self._prefix(model)
-        flat = await self._lookup_script(keys=[prefix + "reg"], args=[prefix, blob])  # type: ignore[operator]
+        try:
+            flat = await self._lookup_script(keys=[prefix + "reg"], args=[prefix, blob])  # type: ignore[operator]
+        except redis.RedisError as e:
+            # Redis down or restarting: route on load alone (every worker misses) rather than
+            # fail the request. Counted (kvrouter_index_lookup_failures_total) and logged once
+            # per outage; a server that hangs costs at most LOOKUP_TIMEOUT_S per request.
+            self.lookup_failures += 1
+            LOOKUP_FAILURES.inc()
+            if self._failing_since is None:
+                self._failing_since = time.monotonic()
+                log.warning("Redis index lookup failed (%s: %s); routing without cache hits until it answers",
+                            type(e).__name__, e)
+            return {}
+        if self._failing_since is not None:
+            log.warning("Redis index answers again after %.1fs", time.monotonic() - self._failing_since)
+            self._failing_since = None
         hits: Hits = {}
         for i in range(0, len(flat), 3):
             backend, rank = json.loads(flat[i])
@@ -523,6 +553,24 @@ class RedisIndex:
                 backend, rank = json.loads(wid)
                 out[Worker(backend, rank)] = n
         return out
+
+    def state_lost(self) -> bool:
+        """True when the server lost this namespace's data since the last call (a restart without
+        persistence, FLUSHALL, a failover to an empty replica): the epoch marker this index (or
+        another indexer) set is gone or was replaced. The first call only sets or reads it.
+
+        ``kvrouter indexer`` polls this and then rebuilds every worker from the engines'
+        histories: only the streams that happen to write during the outage notice it, the
+        others would leave their blocks missing from the index for good."""
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.set(f"{self._ns}:epoch", os.urandom(8).hex(), nx=True)
+        pipe.get(f"{self._ns}:epoch")
+        _, epoch = pipe.execute()
+        lost = self._epoch is not None and epoch != self._epoch
+        self._epoch = epoch
+        if lost:
+            self._models_seen.clear()
+        return lost
 
     def worker_keys(self, model: str) -> dict[Worker, set[int]]:
         """Every key each live worker holds, any medium (:meth:`MemoryIndex.worker_keys`'s

@@ -69,6 +69,21 @@ def admin_refusal(keys: RouterSettings, authorization: str | None) -> JSONRespon
     return None
 
 
+REDIS_CHECK_S = 1.0
+"""How often the indexer checks that Redis still holds what it wrote (:meth:`RedisIndex.state_lost`)."""
+
+
+async def _watch_redis(index: RedisIndex, subscriber: FleetSubscriber) -> None:
+    """Rebuild every worker when Redis comes back empty; an unreachable Redis is checked again."""
+    while True:
+        try:
+            if await asyncio.to_thread(index.state_lost):
+                subscriber.resync_all("Redis lost the index (restarted empty or flushed)")
+        except redis.RedisError:
+            pass
+        await asyncio.sleep(REDIS_CHECK_S)
+
+
 def create_app(subscriber: FleetSubscriber, index: RedisIndex, registry: CollectorRegistry, redis_url: str,
                keys: RouterSettings | None = None) -> FastAPI:
     """The indexer's small HTTP surface; the lifespan starts and stops ingestion.
@@ -79,9 +94,11 @@ def create_app(subscriber: FleetSubscriber, index: RedisIndex, registry: Collect
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         subscriber.start()
+        watch = asyncio.create_task(_watch_redis(index, subscriber))
         try:
             yield
         finally:
+            watch.cancel()
             await asyncio.to_thread(subscriber.stop)
             index.close()
             probe.close()

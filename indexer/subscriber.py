@@ -116,6 +116,7 @@ class StreamStats:
     purges: int = 0
     malformed: int = 0
     index_errors: int = 0
+    index_resets: int = 0
     batches: int = 0
     events: int = 0
     blocks: int = 0
@@ -203,6 +204,10 @@ class _Metrics:
         self.index_errors = Counter(
             "kvrouter_kv_event_index_errors", "Index writes that failed (worker re-synchronised)", labels,
             registry=registry,
+        )
+        self.index_resets = Counter(
+            "kvrouter_kv_event_index_resets", "Times the index lost its data (Redis restarted empty) and the worker "
+            "was rebuilt from the engine's history", labels, registry=registry,
         )
         self.verify = Counter(
             "kvrouter_kv_hash_verify", "Engine block hashes checked against the router's", labels + ["result"],
@@ -339,6 +344,13 @@ class FleetSubscriber:
         if self._thread is None:
             return
         self._commands.put(lambda: self._purge_worker(worker, "marked dead"))
+
+    def resync_all(self, why: str) -> None:
+        """The index lost entries behind the subscriber's back (its Redis restarted empty):
+        clear every worker and rebuild it from its engine's history, as after a failed write."""
+        if self._thread is None:
+            return
+        self._commands.put(lambda: self._resync_every(why))
 
     def stats(self) -> dict[Worker, StreamStats]:
         """A snapshot of every followed stream's counters and state."""
@@ -784,11 +796,22 @@ class FleetSubscriber:
         st.stats.last_seq = None  # the new publisher's seqs start over: nothing of it applied yet
         st.recent.clear()
 
+    def _resync_every(self, why: str) -> None:
+        log.warning("kv events: %s; rebuilding every worker from its engine's history", why)
+        now = time.monotonic()
+        for st in self._streams.values():
+            self._count(st, "index_resets")
+            st.resync_at = now
+
     def _resync(self, st: _Stream) -> None:
-        """After an index failure: clear the worker and rebuild it from the engine's history."""
-        st.resync_at = None
+        """After an index failure: clear the worker and rebuild it from the engine's history.
+
+        A replay in flight is let finish and the re-sync runs after it: what it applies may
+        have gone to an index that has lost the rest."""
         if st.replay is not None:
+            st.resync_at = time.monotonic() + 0.5
             return
+        st.resync_at = None
         if self._clear(st):
             st.expected = None
             st.recent.clear()

