@@ -40,10 +40,9 @@ def _wait_port(port: int, timeout_s: float, child: Child) -> None:
 PORT_TAKEN = "address already in use"
 
 
-def _start_http(name: str, args: list[str], log: Path, health_url: str, timeout_s: float) -> Child:
-    """Start a child and wait for ``health_url``; a port another process took meanwhile fails
+def _start_http(name: str, child: Child, health_url: str, timeout_s: float) -> Child:
+    """Wait for a started child's ``health_url``; a port another process took meanwhile fails
     at once (the log says so) instead of after ``timeout_s``, and the child is stopped."""
-    child = Child(name, args, log)
     deadline = time.monotonic() + timeout_s
     try:
         while True:
@@ -115,6 +114,14 @@ class EngineProc:
         return self.engine.name
 
     def start(self, timeout_s: float = 90.0) -> None:
+        self.spawn()
+        self.wait(timeout_s)
+
+    def wait(self, timeout_s: float = 90.0) -> None:
+        assert self.child is not None
+        self.child = _start_http(self.name, self.child, self.engine.url + "/health", timeout_s)
+
+    def spawn(self) -> None:
         s = self.spec
         http, kv, replay = self.ports
         args = [*KVROUTER, "sim", "--port", str(http), "--model", s.model, "--tokenizer", s.tokenizer,
@@ -127,8 +134,7 @@ class EngineProc:
             args += ["--num-blocks", str(s.num_blocks)]
         args += s.sim_args
         self.starts += 1
-        self.child = _start_http(self.name, args, self.workdir / f"{self.name}.{self.starts}.log",
-                                 self.engine.url + "/health", timeout_s)
+        self.child = Child(self.name, args, self.workdir / f"{self.name}.{self.starts}.log")
 
     def signal(self, sig: signal.Signals) -> None:
         assert self.child is not None
@@ -178,7 +184,9 @@ class ChaosFleet(EngineFleet):
         for attempt in range(attempts):
             try:
                 for p in self.procs:
-                    p.start()
+                    p.spawn()
+                for p in self.procs:
+                    p.wait()
                 return self
             except FleetError as e:
                 self.stop()
@@ -223,7 +231,7 @@ class RouterChild:
         path.write_text(yaml.safe_dump(self.config))
         self.starts += 1
         args = [*KVROUTER, "serve", "--config", str(path), "--port", str(self.port), "--log-level", "info"]
-        self.child = _start_http(self.name, args, self.workdir / f"{self.name}.{self.starts}.log",
+        self.child = _start_http(self.name, Child(self.name, args, self.workdir / f"{self.name}.{self.starts}.log"),
                                  self.url + "/health", timeout_s)
         return self
 

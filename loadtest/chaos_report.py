@@ -148,3 +148,30 @@ def _soak_png(doc: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
+
+
+def write_replicas_report(doc: dict[str, Any], out: Path) -> None:
+    meta, v = doc["meta"], doc["three_vs_one_redis"]
+    rows = ["| setup | requests | failed | cached ratio | TTFT p50 | TTFT p90 | max/mean requests | max/mean queue (sampled) |",
+            "|---|---|---|---|---|---|---|---|"]
+    for r in doc["runs"]:
+        q = "-" if r["queue_max_mean"] is None else f"{r['queue_max_mean']:.2f}"
+        mm = "-" if r["max_mean_requests"] is None else f"{r['max_mean_requests']:.2f}"
+        rows.append(f"| {r['setup']} | {r['requests']} | {r['failed']} | {r['cached_ratio']:.3f} "
+                    f"| {_s(r['ttft_s']['p50'])} | {_s(r['ttft_s']['p90'])} | {mm} | {q} |")
+    loss = "-" if v["cached_ratio_loss"] is None else f"{v['cached_ratio_loss']:+.1%}"
+    ttft = "-" if v["ttft_p90_change"] is None else f"{v['ttft_p90_change']:+.1%}"
+    lines = [
+        "# kvrouter replicas: 1 vs 3 routers on one Redis index",
+        "",
+        f"{meta['max_requests']} requests of the chaos workload (mixed, seed {meta['seed'] + 1000}), rate scale "
+        f"{meta['rate_scale']:.3f}, simulator speedup {meta['speedup']}; 3 routers get the sessions round-robin. "
+        "TTFT in engine seconds.",
+        "",
+        *rows,
+        "",
+        f"3 vs 1 router on Redis: cached ratio lost {loss} (bar: at most 5%), TTFT p90 {ttft} (bar: at most +10%): "
+        + ("pass" if v["pass"] else "FAIL") + ".",
+        "",
+    ]
+    (out / "replicas_report.md").write_text("\n".join(lines))
