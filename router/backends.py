@@ -155,6 +155,18 @@ class BackendState:
         }
 
 
+def health_timeout(interval_s: float) -> float:
+    """How long one health check may take: 3/4 of the interval, within 1..5 s.
+
+    A hung engine (SIGSTOP, a stalled GIL) is ejected when a check times out, and the check
+    that starts right after it froze is the one that does it: ejection takes at most
+    interval + timeout, under the two intervals the chaos suite holds the router to for
+    intervals from 4/3 s up (the timeout used to be the whole interval: exactly two at the
+    2 s default, more once scheduling delays add up). The 1 s floor keeps a loaded engine's
+    slow answer from ejecting it under the short intervals tests use."""
+    return min(5.0, max(1.0, 0.75 * interval_s))
+
+
 class BackendPool:
     """Every configured backend by name (a backend serving two models is one state)."""
 
@@ -206,7 +218,7 @@ class BackendPool:
         return None
 
     async def _check(self, b: BackendState) -> None:
-        status, _ = await b.poll("/health", min(5.0, max(1.0, self.settings.health_interval_s)))
+        status, _ = await b.poll("/health", health_timeout(self.settings.health_interval_s))
         if status == 200:
             b.admit()
         elif isinstance(status, int):
