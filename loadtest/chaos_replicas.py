@@ -38,7 +38,7 @@ SETUPS = (("1 router, memory index", 1, False), ("1 router, Redis index", 1, Tru
 @dataclass(slots=True)
 class ReplicaOptions:
     out: Path
-    speedup: float = 4.0
+    speedup: float = 1.0
     target_load: float = 0.7
     rate_scale: float | None = None
     max_requests: int = 600

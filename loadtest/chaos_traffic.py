@@ -29,7 +29,7 @@ import json
 import re
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Literal
 
 import httpx
@@ -235,7 +235,3 @@ def _openai_error(raw: bytes) -> bool:
         return False
     err = doc.get("error") if isinstance(doc, dict) else None
     return isinstance(err, dict) and isinstance(err.get("message"), str) and isinstance(err.get("type"), str)
-
-
-def record_dict(r: Record) -> dict:
-    return asdict(r)
