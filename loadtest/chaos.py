@@ -442,7 +442,7 @@ def watch_convergence(env: Env, traffic: Traffic, marks: Marks, window_s: float)
     assert marks.recover_t is not None
     end = time.monotonic() + window_s
     found: float | None = None
-    checks = 0
+    history: list[tuple[float, int, int]] = []
     last: dict[str, Any] = {}
     while time.monotonic() < end:
         t = traffic.now()
@@ -451,11 +451,11 @@ def watch_convergence(env: Env, traffic: Traffic, marks: Marks, window_s: float)
         except (httpx.HTTPError, ValueError, KeyError):
             time.sleep(0.5)
             continue
-        checks += 1
+        history.append((t, sum(d["wrong"] for d in last.values()), sum(d["missed"] for d in last.values())))
         if found is None and converged(last):
             found = t
-        time.sleep(0.5 if found is None else 2.0)
-    return {"converged_t": found, "checks": checks, "last_live_diff": last}
+        time.sleep(0.25 if found is None else 2.0)
+    return {"converged_t": found, "checks": len(history), "live_diffs": history, "last_live_diff": last}
 
 
 def settle(env: Env, timeout_s: float) -> tuple[dict[str, Any], float | None]:
@@ -537,6 +537,8 @@ def summarize(opt: ChaosOptions, scenario: Scenario, records: list[Record], samp
         "rss_after": [a[0] for a in after],
         "fds_before": [b[1] for b in before],
         "fds_after": [a[1] for a in after],
+        "live_diffs": convergence.get("live_diffs", []),
+        "live_wrong_max": max((w for _, w, _ in convergence.get("live_diffs", [])), default=None),
         "timeline": {"health": [{"t": row["t"], "router": row["router"], "healthy": row["healthy"].get(m.faulted_engine or "", True)}
                                 for row in sampler.rows],
                      "failures": [(r.sent_t, r.done_t, r.outcome) for r in failed]},

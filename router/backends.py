@@ -64,6 +64,9 @@ class BackendState:
         self.settings = settings
         self.session: aiohttp.ClientSession | None = None
         self.health_ok = True
+        self.on_down: Callable[[str], None] | None = None
+        """Called with the name when a routable backend is ejected, by a health check or by
+        the proxy (its cache is presumed gone: :meth:`BackendPool.health_forever` sets it)."""
         self.consecutive_failures = 0
         self.circuit_open_until = 0.0
         self.cooldown_s = settings.breaker_cooldown_s
@@ -126,13 +129,16 @@ class BackendState:
             self.consecutive_failures = 0
 
     def eject(self, reason: str, *, refused: bool = False) -> None:
-        if self.health_ok:
+        was_ok = self.health_ok
+        if was_ok:
             self.ejections += 1
             log.warning("backend %s ejected: %s", self.name, reason)
         self.health_ok = False
         self.last_error = reason
         if refused:
             self.abort_in_flight()
+        if was_ok and self.on_down is not None:
+            self.on_down(self.name)
 
     def abort_in_flight(self) -> None:
         for abort in list(self.in_flight.values()):
@@ -189,14 +195,18 @@ class BackendPool:
         await asyncio.gather(*(self._check(b) for b in self.backends.values()))
 
     async def health_forever(self, on_down: Callable[[str], None]) -> None:
-        """Check every backend each ``health_interval_s``; ``on_down(name)`` for each one
-        whose health check passed last round and fails now (its cache is presumed gone)."""
+        """Check every backend each ``health_interval_s``; ``on_down(name)`` whenever a healthy
+        backend is ejected (its cache is presumed gone).
+
+        Also when the proxy ejects it (a refused connection: the process died): the health
+        loop used to see only the failures of its own checks, so an engine that restarted
+        within an interval came back with the index still holding its old cache, and was
+        routed to for blocks it no longer had until its event stream reconnected (kvrouter
+        chaos engine_restart: 694 blocks wrongly held for 2.2 s after re-admission)."""
+        for b in self.backends.values():
+            b.on_down = on_down
         while True:
-            before = [n for n, b in self.backends.items() if b.health_ok]
             await self.check_all()
-            for name in before:
-                if not self.backends[name].health_ok:
-                    on_down(name)
             await asyncio.sleep(self.settings.health_interval_s)
 
     async def max_model_len(self, model: str, names: list[str]) -> int | None:
