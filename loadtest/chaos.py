@@ -623,6 +623,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup-s", type=float, default=None, help="soak: samples before this are left out of the fits")
     p.add_argument("--replicas", action="store_true", help="1 vs 3 routers on a Redis index instead (issue 17 §5)")
     p.add_argument("--max-requests", type=int, default=600, help="--replicas: requests per run")
+    p.add_argument("--repeats", type=int, default=3, help="--replicas: interleaved rounds (medians reported)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true")
 
@@ -647,7 +648,7 @@ def run(args: argparse.Namespace) -> int:
         from loadtest.chaos_replicas import ReplicaOptions, run_replicas
 
         run_replicas(ReplicaOptions(out=out, speedup=args.speedup or 1.0, target_load=args.target_load or 0.7,
-                                    rate_scale=args.rate_scale, max_requests=args.max_requests, seed=args.seed,
+                                    rate_scale=args.rate_scale, max_requests=args.max_requests, repeats=args.repeats, seed=args.seed,
                                     quiet=args.quiet))
         return 0
     names = tuple(s.strip() for s in args.scenarios.split(",") if s.strip())

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import statistics
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +43,9 @@ class ReplicaOptions:
     target_load: float = 0.7
     rate_scale: float | None = None
     max_requests: int = 600
+    repeats: int = 3
+    """Rounds of the three setups, interleaved (one machine's noise hits all three alike);
+    each figure is the median over rounds."""
     seed: int = 0
     quiet: bool = False
 
@@ -81,6 +85,23 @@ def summarize_run(name: str, records: list[Record], speedup: float, queues: list
     }
 
 
+def median_run(name: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each figure's median over the rounds of one setup."""
+    def med(xs: list[float | None]) -> float | None:
+        vals = sorted(x for x in xs if x is not None)
+        return statistics.median(vals) if vals else None
+
+    return {
+        "setup": name,
+        "requests": sum(r["requests"] for r in runs),
+        "failed": sum(r["failed"] for r in runs),
+        "cached_ratio": med([r["cached_ratio"] for r in runs]),
+        "ttft_s": {k: med([r["ttft_s"][k] for r in runs]) for k in ("p50", "p90", "p99", "mean")},
+        "max_mean_requests": med([r["max_mean_requests"] for r in runs]),
+        "queue_max_mean": med([r["queue_max_mean"] for r in runs]),
+    }
+
+
 def run_replicas(opt: ReplicaOptions) -> dict[str, Any]:
     from rich.console import Console
 
@@ -96,9 +117,9 @@ def run_replicas(opt: ReplicaOptions) -> dict[str, Any]:
         rate_scale = opt.rate_scale
     meta["rate_scale"] = rate_scale
     workload = mixed(chaos.workload, seed=opt.seed + 1000, max_requests=opt.max_requests)
-    runs = []
-    for name, routers, redis in SETUPS:
-        console.print(f"replicas: {name} ...")
+    rounds: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in SETUPS}
+    for rep, (name, routers, redis) in ((r, s) for r in range(opt.repeats) for s in SETUPS):
+        console.print(f"replicas: round {rep + 1}/{opt.repeats}, {name} ...")
         with environment(chaos, opt.out / "work" / name.replace(" ", "_").replace(",", ""), routers, redis) as env:
             traffic = Traffic([r.url for r in env.routers], chaos.spec.model, iter(workload.sessions),
                               speedup=opt.speedup, rate_scale=rate_scale, hang_s=120.0)
@@ -113,7 +134,8 @@ def run_replicas(opt: ReplicaOptions) -> dict[str, Any]:
             run = summarize_run(name, traffic.records, opt.speedup, queues)
             console.print(f"  cached {run['cached_ratio']:.3f}, TTFT p90 {run['ttft_s']['p90']}, "
                           f"max/mean {run['max_mean_requests']}")
-            runs.append(run)
+            rounds[name].append(run)
+    runs = [median_run(name, rounds[name]) for name, _, _ in SETUPS]
     one, three = runs[1], runs[2]
     verdict = {
         "cached_ratio_loss": 1 - three["cached_ratio"] / one["cached_ratio"] if one["cached_ratio"] else None,
@@ -121,7 +143,8 @@ def run_replicas(opt: ReplicaOptions) -> dict[str, Any]:
     }
     verdict["pass"] = (verdict["cached_ratio_loss"] is not None and verdict["cached_ratio_loss"] <= 0.05
                        and verdict["ttft_p90_change"] is not None and verdict["ttft_p90_change"] <= 0.10)
-    doc = {"meta": meta, "runs": runs, "three_vs_one_redis": verdict}
+    meta["repeats"] = opt.repeats
+    doc = {"meta": meta, "runs": runs, "three_vs_one_redis": verdict, "rounds": rounds}
     (opt.out / "replicas.json").write_text(json.dumps(doc, indent=1))
     from loadtest.chaos_report import write_replicas_report
 

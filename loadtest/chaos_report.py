@@ -164,8 +164,9 @@ def write_replicas_report(doc: dict[str, Any], out: Path) -> None:
     lines = [
         "# kvrouter replicas: 1 vs 3 routers on one Redis index",
         "",
-        f"{meta['max_requests']} requests of the chaos workload (mixed, seed {meta['seed'] + 1000}), rate scale "
+        f"{meta['max_requests']} requests of the chaos workload (mixed, seed {meta['seed'] + 1000}) per run, rate scale "
         f"{meta['rate_scale']:.3f}, simulator speedup {meta['speedup']}; 3 routers get the sessions round-robin. "
+        f"Medians of {meta.get('repeats', 1)} interleaved rounds (requests and failures are totals). "
         "TTFT in engine seconds.",
         "",
         *rows,
