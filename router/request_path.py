@@ -26,6 +26,7 @@ of them can decide the backend, and batches usually share their prefix anyway.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from indexer.index import Index, Worker
@@ -43,21 +44,18 @@ from router.runtime import ModelRuntime, Models
 from router.settle import Settler
 
 
+@dataclass(frozen=True, slots=True)
 class RequestPath:
     """The stages wired together for one router (built by :class:`router.core.Router`)."""
 
-    def __init__(
-        self, settings: RouterSettings, models: Models, index: Index, loads: LoadTracker, upstreams: Upstreams,
-        planner: Planner, settler: Settler, streams: metrics.StreamView,
-    ) -> None:
-        self.settings = settings
-        self.models = models
-        self.index = index
-        self.loads = loads
-        self.upstreams = upstreams
-        self.planner = planner
-        self.settler = settler
-        self.streams = streams
+    settings: RouterSettings
+    models: Models
+    index: Index
+    loads: LoadTracker
+    upstreams: Upstreams
+    planner: Planner
+    settler: Settler
+    streams: metrics.StreamView
 
     async def decide(self, body: dict[str, Any], raw_len: int, kind: str, headers: Any, *, act: bool = False) -> Decided:
         """Stages 2-5 for a parsed body. With ``act`` (a request about to be sent) the plan
