@@ -446,26 +446,27 @@ def _run_bench(opt: BenchOptions, work: Path, console: Any, live: VllmFleet | No
     floor = percentiles(ref.ttft_floor_s)
     if opt.repeats > 1:
         meta["repeats"] = f"{opt.repeats} per policy, interleaved; every figure is the median of its repeats"
-    reps: dict[str, list[dict[str, Any]]] = {p: [] for p in opt.policies}
-    traces: dict[str, report.PolicyTrace] = {}
+    # By position, not name: a policy listed twice (a bench checking the cache reset) is two rows.
+    reps: list[list[dict[str, Any]]] = [[] for _ in opt.policies]
+    traces: list[report.PolicyTrace | None] = [None] * len(opt.policies)
     # Repeats go round the policies (1 2 3, 1 2 3, ...) rather than policy by policy, so a
     # slow spell on a shared machine lands on every policy alike instead of on one.
     for rep in range(opt.repeats):
         rep_dir = work if opt.repeats == 1 else work / f"rep{rep + 1}"
-        for policy in opt.policies:
+        for i, policy in enumerate(opt.policies):
             label = policy if opt.repeats == 1 else f"{policy} ({rep + 1}/{opt.repeats})"
             pr = run_policy(scaled, opt.spec, policy, rep_dir, speedup=opt.speedup, label=label,
                             sample_interval_s=opt.sample_interval_s, progress=opt.progress, weights=opt.weights, live=live)
             pr.result["ideal_cached_ratio"] = ref.cached_ratio
             pr.result["ttft_floor_s"] = floor if ref.ttft_floor_s else None
-            reps[policy].append(pr.result)
-            traces.setdefault(policy, pr.trace)  # the plots show the first repeat
-    runs = [report.median_run(reps[p]) for p in opt.policies]
+            reps[i].append(pr.result)
+            traces[i] = traces[i] or pr.trace  # the plots show the first repeat
+    runs = [report.median_run(r) for r in reps]
     report.add_oracle_gains(runs)
     results = {"meta": meta, "runs": runs}
     (opt.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     title = opt.title or f"{wl.name}, {opt.spec.backends} engines"
-    plots = report.write_plots(opt.out, list(traces.values()), title, ref.cached_ratio, opt.plot_prefix, floor=ref.ttft_floor_s)
+    plots = report.write_plots(opt.out, [t for t in traces if t is not None], title, ref.cached_ratio, opt.plot_prefix, floor=ref.ttft_floor_s)
     report.write_markdown(opt.out / "report.md", meta, runs, plots)
     return results
 
