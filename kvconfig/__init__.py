@@ -185,6 +185,10 @@ class RouterSettings(_Strict):
     subscribe_events: bool | None = None
     """Follow the backends' KV-event streams in this process. Default: yes with the
     in-memory index, no with Redis (the standalone ``kvrouter indexer`` fills it)."""
+    drain_timeout_s: float = Field(default=30.0, ge=0)
+    """On SIGTERM the router stops accepting connections and lets the requests in flight
+    finish for at most this long; a stream still open then ends with an error event
+    (code ``shutting_down``), a request not yet answered gets 503, and the process exits 0."""
 
 
 class Config(_Strict):

@@ -28,7 +28,7 @@ from router.auth import Access
 from router.config import Config
 from router.core import Router
 from router.dispatch import Endpoints
-from router.errors import UnknownModel
+from router.errors import ShuttingDown, UnknownModel
 from router.parse import json_response, parse_json, read_body
 from router.proxy import ProxyResponse, Upstream, forwarded_headers
 
@@ -67,7 +67,10 @@ def create_app(config: Config, index: Index | None = None) -> Endpoints:
 
     async def read_json(request: Request) -> tuple[bytes, dict[str, Any], float]:
         """The body, parsed, and when it was fully received (the overhead clock starts there:
-        a slow client's upload is not the router's time)."""
+        a slow client's upload is not the router's time). A draining router takes no new
+        request (one can still arrive on a connection opened before the drain)."""
+        if router.draining:
+            raise ShuttingDown("the router is shutting down; send the request to another replica")
         t0 = time.perf_counter()
         raw = await read_body(request, settings.max_body_bytes)
         received = time.perf_counter()
@@ -127,6 +130,8 @@ def create_app(config: Config, index: Index | None = None) -> Endpoints:
 
     @route("/health", "GET")
     async def health(_: Request) -> Response:
+        if router.draining:
+            return json_response({"status": "draining", "reason": "the router is shutting down"}, 503)
         if router.can_route():
             return json_response({"status": "ok"})
         return json_response({"status": "unavailable", "reason": "a model has no healthy backend"}, 503)

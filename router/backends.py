@@ -72,8 +72,10 @@ class BackendState:
         self.cooldown_s = settings.breaker_cooldown_s
         self.ejections = 0
         self.last_error: str | None = None
-        self.in_flight: dict[asyncio.Task[None], Callable[[], None]] = {}
+        self.in_flight: dict[asyncio.Task[None], Callable[..., None]] = {}
         """Proxy tasks waiting on this backend -> how to abort each (see abort_in_flight)."""
+        self.retired = False
+        """Removed from the config by a reload: no longer checked, closed once idle."""
 
     def open(self) -> None:
         """Create the session (needs the running event loop)."""
@@ -97,6 +99,8 @@ class BackendState:
         """GET ``path`` over the pooled session: the status and body, or why it failed
         (``refused``: nothing listens there any more)."""
         assert self.session is not None, "BackendState.open() was not called"
+        if self.session.closed:  # removed by a reload while a scrape was on its way
+            return PollError("backend removed", refused=False), b""
         try:
             async with self.session.get(path, timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
                 return r.status, await r.read()
@@ -140,9 +144,13 @@ class BackendState:
         if was_ok and self.on_down is not None:
             self.on_down(self.name)
 
-    def abort_in_flight(self) -> None:
-        for abort in list(self.in_flight.values()):
-            abort()
+    def abort_in_flight(self, *, shutting_down: bool = False) -> int:
+        """End every exchange waiting on this backend (it died, or the router's drain
+        deadline came); returns how many."""
+        aborts = list(self.in_flight.values())
+        for abort in aborts:
+            abort(shutting_down)
+        return len(aborts)
 
     def admit(self) -> None:
         if not self.health_ok:
@@ -179,6 +187,7 @@ class BackendPool:
     def __init__(self, config: Config) -> None:
         self.settings = config.router
         self.backends: dict[str, BackendState] = {}
+        self._on_down: Callable[[str], None] | None = None
         for m in config.models:
             for b in m.backends:
                 if b.name not in self.backends:
@@ -203,6 +212,7 @@ class BackendPool:
         within an interval came back with the index still holding its old cache, and was
         routed to for blocks it no longer had until its event stream reconnected (kvrouter
         chaos engine_restart: 694 blocks wrongly held for 2.2 s after re-admission)."""
+        self._on_down = on_down
         for b in self.backends.values():
             b.on_down = on_down
         while True:
@@ -227,7 +237,27 @@ class BackendPool:
                     return entry["max_model_len"]
         return None
 
+    async def add(self, backend: Backend) -> BackendState:
+        """A backend a config reload added: its session opened and its health checked once
+        before it can be chosen."""
+        b = BackendState(backend, self.settings)
+        b.open()
+        b.on_down = self._on_down
+        await self._check(b)
+        self.backends[b.name] = b
+        return b
+
+    async def remove(self, name: str) -> None:
+        """Drop a backend a reload removed once nothing waits on it any more (the caller
+        makes sure no new request is sent to it)."""
+        b = self.backends.pop(name)
+        b.retired = True
+        if b.session is not None:
+            await b.session.close()
+
     async def _check(self, b: BackendState) -> None:
+        if b.retired:
+            return
         status, _ = await b.poll("/health", health_timeout(self.settings.health_interval_s))
         if status == 200:
             b.admit()

@@ -5,6 +5,19 @@ owns what lives as long as the process: the models, the backends' pools and heal
 the load tracker, the index and the KV-event subscriber that fills it, the background
 thread, and the tasks beside the requests (health checks, ``/metrics`` scrapes,
 ``max_model_len`` discovery). It decides nothing itself.
+
+Two operations change it while it serves:
+
+- **drain** (:meth:`Router.begin_drain`, on SIGTERM): ``/health`` answers 503 and new
+  requests are refused while the server stops accepting connections; the requests in
+  flight run on for at most ``router.drain_timeout_s``, then are cut (an open stream ends
+  with an error event, :class:`router.errors.ShuttingDown`).
+- **reload** (:meth:`Router.reload`, on SIGHUP): a re-read config may add and remove
+  backends, nothing else (anything else needs a restart and the reload is refused whole).
+  An added backend gets its session, a health check and its event stream before it can
+  be chosen; a removed one is no candidate from that moment, its requests in flight run
+  to their end, and only then are its event stream, index entries, policy memory, load
+  and connections dropped (:meth:`Router._retire`).
 """
 
 from __future__ import annotations
@@ -12,8 +25,9 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
 
@@ -31,7 +45,12 @@ from router.request_path import RequestPath
 from router.runtime import ModelRuntime, Models
 from router.settle import Settler
 
+if TYPE_CHECKING:
+    from indexer.subscriber import StreamSpec
+
 log = logging.getLogger(__name__)
+
+RETIRE_POLL_S = 0.1
 
 
 class Router:
@@ -63,21 +82,21 @@ class Router:
                                 planner, self.settler, self.streams)
         self._tasks: list[asyncio.Task[None]] = []
         self._unregister_metrics: Any = None
+        self.draining = False
+        self._drain_started = 0.0
+        self._reload_lock = asyncio.Lock()
+        self._followed: list[StreamSpec] = []
+        """The event streams the subscriber follows (each a worker of a backend and a model)."""
+        self._retiring: set[str] = set()
+        """Backends a reload removed whose requests in flight have not all ended yet (their
+        event streams are followed until then)."""
 
     async def start(self) -> None:
         await self.models.load_tokenizers(self.executor)
         if self._subscribes():
-            from indexer.subscriber import FleetSubscriber, specs_from_config
-            from indexer.verify import SETTLE_AFTER, HashVerifier
+            from indexer.subscriber import specs_from_config
 
-            verifiers = {
-                rt.name: HashVerifier(rt.hasher, {a.name: a.path for a in rt.config.lora_adapters}, settle_after=SETTLE_AFTER)
-                for rt in self.models
-            }
-            self.streams.subscriber = FleetSubscriber(
-                self.index, specs_from_config(self.config), verifiers=verifiers, metrics_registry=self.stream_registry
-            )
-            self.streams.subscriber.start()
+            self._follow(specs_from_config(self.config))
         else:
             await warn_if_unfilled(self.index, self.config)
         self._unregister_metrics = metrics.register_fleet(
@@ -98,7 +117,43 @@ class Router:
         # routing allocates. Unfrozen, each took ~50 ms, a stall of every request in flight.
         gc.freeze()
 
+    def _follow(self, specs: list[StreamSpec]) -> None:
+        """Follow exactly ``specs``' event streams (a worker left out is purged from the index)."""
+        self._followed = specs
+        if self.streams.subscriber is not None:
+            self.streams.subscriber.update_specs(specs)
+            return
+        from indexer.subscriber import FleetSubscriber
+        from indexer.verify import SETTLE_AFTER, HashVerifier
+
+        verifiers = {
+            rt.name: HashVerifier(rt.hasher, {a.name: a.path for a in rt.config.lora_adapters}, settle_after=SETTLE_AFTER)
+            for rt in self.models
+        }
+        self.streams.subscriber = FleetSubscriber(self.index, specs, verifiers=verifiers, metrics_registry=self.stream_registry)
+        self.streams.subscriber.start()
+
+    def begin_drain(self) -> None:
+        """Stop taking requests and give those in flight ``router.drain_timeout_s`` to finish
+        (the server stops accepting connections; see :mod:`router.server`)."""
+        if self.draining:
+            return
+        self.draining = True
+        self._drain_started = time.monotonic()
+        in_flight = self.loads.total_in_flight()
+        metrics.DRAIN_IN_FLIGHT.set(in_flight)
+        log.warning("draining: %d request(s) in flight, %.1fs to finish", in_flight, self.settings.drain_timeout_s)
+        self._tasks.append(asyncio.create_task(self._cut_at_deadline()))
+
+    async def _cut_at_deadline(self) -> None:
+        await asyncio.sleep(self.settings.drain_timeout_s)
+        cut = sum(b.abort_in_flight(shutting_down=True) for b in self.pool.backends.values())
+        if cut:
+            log.warning("drain deadline: %d request(s) still running were ended with a shutting_down error", cut)
+
     async def stop(self) -> None:
+        if self.draining:
+            log.info("drained in %.2fs", time.monotonic() - self._drain_started)
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -115,6 +170,83 @@ class Router:
         close = getattr(self.index, "aclose", None)
         if close is not None:
             await close()
+
+    async def reload(self, new: Config) -> str:
+        """Apply a re-read config whose only changes are backends added to or removed from
+        models; returns the outcome (``kvrouter_config_reloads``). Refused whole, the old
+        config serving on, when anything else changed, when a backend kept its name but
+        changed its definition (give the new one a new name), or when an added backend's
+        removal has not finished."""
+        async with self._reload_lock:
+            outcome = await self._reload(new)
+        metrics.child(metrics.CONFIG_RELOADS, outcome).inc()
+        return outcome
+
+    async def _reload(self, new: Config) -> str:
+        old = self.config
+        fixed = _differences(_fixed_part(old), _fixed_part(new))
+        if fixed:
+            log.error("config reload refused: %s changed, and only backends can change without a restart (models, "
+                      "tokenizers, router settings and the index stay as they were started); the old config keeps "
+                      "serving", ", ".join(sorted(fixed)))
+            return "not_live"
+        before = {b.name: b for m in old.models for b in m.backends}
+        after = {b.name: b for m in new.models for b in m.backends}
+        changed = sorted(n for n in before.keys() & after.keys() if before[n] != after[n])
+        if changed:
+            log.error("config reload refused: backend(s) %s changed their definition; remove them and add the "
+                      "new ones under new names. The old config keeps serving", ", ".join(changed))
+            return "not_live"
+        if [[b.name for b in m.backends] for m in new.models] == [[b.name for b in m.backends] for m in old.models]:
+            log.info("config reload: no backend added or removed")
+            return "unchanged"
+        busy = sorted(after.keys() & self._retiring)
+        if busy:
+            log.error("config reload refused: backend(s) %s are still being removed (requests in flight); "
+                      "retry once they are gone", ", ".join(busy))
+            return "busy"
+        from indexer.subscriber import specs_from_config
+
+        try:
+            specs = specs_from_config(new)
+        except ValueError as e:
+            log.error("config reload refused: %s. The old config keeps serving", e)
+            return "invalid"
+        added = [after[n] for n in after if n not in before]
+        removed = [n for n in before if n not in after]
+        for b in added:
+            self.loads.add(b.name)
+        await asyncio.gather(*(self.pool.add(b) for b in added))
+        for rt, m in zip(self.models, new.models):
+            gone = set(rt.backends) - {b.name for b in m.backends}
+            rt.config = m
+            rt.backends = [b.name for b in m.backends]
+            rt.has_events = any(b.kv_events for b in m.backends)
+            if rt.memory is not None:
+                for name in gone:
+                    rt.memory.forget(name)
+        self.config = new
+        self._retiring.update(removed)
+        if self._subscribes() or self.streams.subscriber is not None:
+            self._follow(specs + [s for s in self._followed if s.worker.backend in self._retiring])
+        for name in removed:
+            self._tasks.append(asyncio.create_task(self._retire(name)))
+        log.info("config reloaded: backends added: %s; removed: %s (dropped once their requests in flight end)",
+                 ", ".join(b.name for b in added) or "none", ", ".join(removed) or "none")
+        return "applied"
+
+    async def _retire(self, name: str) -> None:
+        """A removed backend, once its last request in flight has ended: its event stream
+        stops and its workers leave the index, then its load and connections go."""
+        load = self.loads.get(name)
+        while load.in_flight:
+            await asyncio.sleep(RETIRE_POLL_S)
+        self._retiring.discard(name)
+        if self.streams.subscriber is not None:
+            self._follow([s for s in self._followed if s.worker.backend != name])
+        await self.pool.remove(name)
+        self.loads.remove(name)
+        log.info("backend %s removed: its requests ended; its event stream stops and its index entries are purged", name)
 
     def _subscribes(self) -> bool:
         wanted = self.settings.subscribe_events
@@ -151,6 +283,23 @@ class Router:
             raise NoHealthyBackend(f"no healthy backend for model {rt.name!r}")
         names.sort(key=lambda n: self.loads.get(n).effective_in_flight())
         return rt, names
+
+
+def _fixed_part(config: Config) -> dict[str, Any]:
+    """What a reload must leave as it is: the whole config less the models' backends."""
+    out = config.model_dump()
+    for m in out["models"]:
+        m.pop("backends")
+    return out
+
+
+def _differences(old: Any, new: Any, where: str = "") -> list[str]:
+    """The dotted paths at which two dumped configs differ (a list that changed length is one)."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        return [d for k in old.keys() | new.keys() for d in _differences(old.get(k), new.get(k), f"{where}.{k}".lstrip("."))]
+    if isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
+        return [d for i, (a, b) in enumerate(zip(old, new)) for d in _differences(a, b, f"{where}.{i}")]
+    return [] if old == new else [where or "(top level)"]
 
 
 def make_index(spec: str, namespace: str) -> Index:

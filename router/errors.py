@@ -69,6 +69,15 @@ class NoHealthyBackend(RouterError):
     code = "no_healthy_backend"
 
 
+class ShuttingDown(RouterError):
+    """The router is draining (SIGTERM): it takes no new request, and one still running at
+    the drain deadline is ended with this error."""
+
+    status = 503
+    type = "server_error"
+    code = "shutting_down"
+
+
 class UpstreamError(RouterError):
     """Every backend tried failed before answering (connect error, reset, 502/503).
 

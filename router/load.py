@@ -163,6 +163,16 @@ class LoadTracker:
     def get(self, backend: str) -> BackendLoad:
         return self.backends[backend]
 
+    def add(self, backend: str) -> None:
+        self.backends[backend] = BackendLoad(backend)
+
+    def remove(self, backend: str) -> None:
+        """Forget a backend a config reload removed (its tickets all released)."""
+        del self.backends[backend]
+
+    def total_in_flight(self) -> int:
+        return sum(b.in_flight for b in self.backends.values())
+
     def idle(self) -> bool:
         return all(
             b.in_flight == 0 and b.prefill_tokens == 0 and b.decode_seqs == 0 and not b.block_refs and b.context_blocks == 0
@@ -212,8 +222,11 @@ async def scrape_forever(pool: BackendPool, tracker: LoadTracker, interval_s: fl
 
 
 async def _scrape_one(pool: BackendPool, tracker: LoadTracker, name: str) -> None:
-    load = tracker.get(name)
-    status, body = await pool.get(name).poll("/metrics", max(0.5, pool.settings.metrics_scrape_interval_s))
+    load = tracker.backends.get(name)
+    backend = pool.backends.get(name)
+    if load is None or backend is None:  # removed by a config reload
+        return
+    status, body = await backend.poll("/metrics", max(0.5, pool.settings.metrics_scrape_interval_s))
     values: dict[str, float] = {}
     if status != 200:
         log.debug("metrics scrape of %s failed: %s", name, status)

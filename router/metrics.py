@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -90,6 +90,23 @@ COLD_PATH = Counter(
     "behind: full path), ineligible (length bound, probe found no whole block), disabled (tokenizer "
     "not byte-level or a probe mismatch)",
     ["model", "outcome"],
+)
+
+
+DRAIN_IN_FLIGHT = Gauge(
+    "kvrouter_drain_in_flight_requests",
+    "Requests in flight when the router began draining (SIGTERM); 0 before any drain",
+)
+DRAIN_CUT = Counter(
+    "kvrouter_drain_cut_requests",
+    "Requests still running at the drain deadline (router.drain_timeout_s), ended with a shutting_down error",
+)
+CONFIG_RELOADS = Counter(
+    "kvrouter_config_reloads",
+    "Config reloads (SIGHUP, or a changed file under --reload-config) by outcome: applied, unchanged, "
+    "invalid (the file did not load or validate), not_live (it changes what only a restart can: "
+    "models, tokenizers, router settings, index), busy (a removed backend is still draining), failed (an unexpected error: see the log)",
+    ["outcome"],
 )
 
 

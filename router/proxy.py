@@ -14,6 +14,8 @@ watching the client connection:
   its connection, which makes vLLM abort the request;
 - a backend found dead (connection refused) aborts the requests waiting on it
   (:meth:`router.backends.BackendState.abort_in_flight`): 502, or a stream error event;
+  the router's drain deadline (SIGTERM, ``router.drain_timeout_s``) ends what still runs
+  the same way, with 503 or an error event coded ``shutting_down``;
 - the request's load :class:`~router.load.Ticket` for the chosen backend is taken by the
   caller when it decides (so concurrent decisions see each other at once), a new one
   per retry, and each is released in ``finally`` on every path; the prefill share moves
@@ -54,7 +56,7 @@ from starlette.types import Receive, Scope, Send
 
 from router import metrics
 from router.backends import BackendPool, BackendState
-from router.errors import RouterError, UpstreamError, UpstreamTimeout, error_body, error_response
+from router.errors import RouterError, ShuttingDown, UpstreamError, UpstreamTimeout, error_body, error_response
 from router.load import LoadTracker, Ticket
 
 log = logging.getLogger(__name__)
@@ -184,9 +186,9 @@ class EventCut:
         """The stream may end here: its last event is ``[DONE]`` and nothing follows it."""
         return self.done and not self.held and not self.mid_event
 
-    def error_event(self, message: str) -> bytes:
+    def error_event(self, message: str, code: str = "upstream_error") -> bytes:
         """The router's closing error event; after an oversized half event, a blank line first ends it."""
-        event = b"data: " + error_body(message, "server_error", "upstream_error") + b"\n\n"
+        event = b"data: " + error_body(message, "server_error", code) + b"\n\n"
         return b"\n\n" + event if self.mid_event else event
 
 
@@ -242,9 +244,11 @@ class ProxyResponse(Response):
         """Handed to the first try, then None (each retry takes its own)."""
         self._reason = request.reason
         self._backend_down = False
+        self._shutting_down = False
         self._client_gone = False
         self._response_started = False
         self._watched: tuple[BackendState, asyncio.Task[Any]] | None = None
+        self._events: EventCut | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Runs the exchange in the request's own task (a watcher cancels it if the client
@@ -297,13 +301,18 @@ class ProxyResponse(Response):
                 status = await self._relay_whole(send, backend, ticket, upstream, headers)
             complete = status < 500 or status == upstream.status
         except asyncio.CancelledError:
-            if not self._backend_down:
+            if self._shutting_down:
+                _uncancel()
+                status = 503
+                await self._answer_shutting_down(send)
+            elif not self._backend_down:
                 status = 499
                 metrics.child(metrics.CLIENT_DISCONNECTS, backend_name).inc()
                 raise
-            _uncancel()
-            status = 502
-            await self._answer_backend_down(send, backend_name)
+            else:
+                _uncancel()
+                status = 502
+                await self._answer_backend_down(send, backend_name)
         finally:
             self._unwatch()
             if ticket is not None:
@@ -334,11 +343,27 @@ class ProxyResponse(Response):
             watched[0].in_flight.pop(watched[1], None)
             self._watched = None
 
-    def _abort(self) -> None:
+    def _abort(self, shutting_down: bool = False) -> None:
+        """End the exchange now: its backend is dead, or (``shutting_down``) the router's
+        drain deadline has come."""
         watched = self._watched
-        if watched is not None and not self._backend_down:
-            self._backend_down = True
+        if watched is not None and not (self._backend_down or self._shutting_down):
+            if shutting_down:
+                self._shutting_down = True
+            else:
+                self._backend_down = True
             watched[1].cancel()
+
+    async def _answer_shutting_down(self, send: Send) -> None:
+        """The drain deadline cut this request: a stream ends with an error event of its own
+        (what it relayed so far stays whole events), anything else not yet answered gets 503."""
+        metrics.DRAIN_CUT.inc()
+        message = "the router is shutting down: the request did not finish within its drain deadline"
+        if self._response_started:
+            event = (self._events or EventCut()).error_event(message, "shutting_down")
+            await send({"type": "http.response.body", "body": event, "more_body": False})
+        else:
+            await error_response(ShuttingDown(message))({"type": "http"}, _no_receive, send)
 
     async def _answer_backend_down(self, send: Send, backend: str) -> None:
         metrics.child(metrics.UPSTREAM_FAILURES, backend, "backend_down").inc()
@@ -355,8 +380,8 @@ class ProxyResponse(Response):
         for name in self._req.order:
             if tried > self._up.retries:
                 break
-            backend = self._up.pool.get(name)
-            if tried > 0 and not backend.routable:
+            backend = self._up.pool.backends.get(name)  # None: removed by a config reload since the decision
+            if backend is None or tried > 0 and not backend.routable:
                 continue
             tried += 1
             ticket = self._first_ticket
@@ -397,7 +422,7 @@ class ProxyResponse(Response):
                 raise err from e
             except asyncio.CancelledError:
                 ticket.release()
-                if not self._backend_down:
+                if self._shutting_down or not self._backend_down:
                     raise
                 # The backend was found dead while we waited for its first byte: try another.
                 _uncancel()
@@ -425,7 +450,8 @@ class ProxyResponse(Response):
 
     def _has_next(self, name: str) -> bool:
         i = self._req.order.index(name)
-        return any(self._up.pool.get(n).routable for n in self._req.order[i + 1 :])
+        backends = self._up.pool.backends
+        return any(n in backends and backends[n].routable for n in self._req.order[i + 1 :])
 
     async def _relay_whole(
         self, send: Send, backend: BackendState, ticket: Ticket, upstream: aiohttp.ClientResponse, headers: list[tuple[bytes, bytes]]
@@ -456,7 +482,7 @@ class ProxyResponse(Response):
         self, send: Send, backend: BackendState, ticket: Ticket, upstream: aiohttp.ClientResponse, headers: list[tuple[bytes, bytes]]
     ) -> int:
         chunks = upstream.content.iter_any().__aiter__()
-        cut = EventCut() if upstream.content_type == "text/event-stream" else None
+        cut = self._events = EventCut() if upstream.content_type == "text/event-stream" else None
         try:
             # The status line and headers go out with the first chunk, not before it: one
             # write to the client instead of two, which on a busy host is a wake-up saved on

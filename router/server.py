@@ -1,4 +1,4 @@
-"""``kvrouter serve --config FILE [--port P] [--policy NAME]``: run the router.
+"""``kvrouter serve --config FILE [--port P] [--policy NAME] [--reload-config]``: run the router.
 
 uvicorn with uvloop and httptools (the fastest event loop and HTTP parser it offers),
 one process; access logs are off because they cost more than routing a short request.
@@ -7,21 +7,55 @@ The GIL switch interval is lowered from 5 ms to 0.5 ms: the KV-event subscriber 
 tokenizer pool are CPU-bound threads, and with the default interval the event loop can
 wait up to 5 ms for the GIL after each of its awaits, which shows up directly as
 routing latency. The cost is a little more switching on the background threads.
+
+Operations (:class:`Server`, :class:`ConfigReloader`):
+
+- **SIGTERM drains.** The listener closes at once (new connections are refused), idle
+  keep-alive connections are closed, ``/health`` answers 503 ``draining`` and a request
+  arriving on a connection still open is refused with 503 ``shutting_down``. Requests in
+  flight run on for up to ``router.drain_timeout_s``; what still runs then is cut (a
+  stream ends with an error event, never silently), and the process exits 0. uvicorn
+  would re-raise the signal after its own graceful shutdown (exit status -15); a drained
+  router has done what SIGTERM asked, so it exits 0. SIGINT (Ctrl-C) keeps uvicorn's
+  behaviour, a second one forcing the exit.
+- **SIGHUP reloads** the ``--config`` file the server started with (the command line's
+  ``--host``/``--port``/``--policy`` still applied). ``--reload-config`` also reloads it
+  whenever it changes (polled every second; a change is taken once the file has stayed
+  the same for one poll, so a half-written file is not read). Only backends may change:
+  see :meth:`router.core.Router.reload`. A file that fails to load or validate is refused
+  with a log line and ``kvrouter_config_reloads{outcome="invalid"}``; the router goes on
+  with the config it has.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
+import signal
+import socket
 import sys
-from typing import get_args
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING, get_args
 
 import uvicorn
 
-from router.config import ConfigError, PolicyName, load_config
+from router import metrics
+from router.config import Config, ConfigError, PolicyName, load_config
+
+if TYPE_CHECKING:
+    from router.core import Router
+
+log = logging.getLogger(__name__)
 
 SWITCH_INTERVAL_S = 0.0005
+CUT_GRACE_S = 5.0
+"""After the drain deadline cut what still ran, how long the cut answers get to reach their
+clients before uvicorn cancels whatever is left."""
+RELOAD_POLL_S = 1.0
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -30,15 +64,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=None, help="override router.port")
     parser.add_argument("--policy", choices=get_args(PolicyName), default=None, help="override router.policy for every model")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--reload-config", action="store_true",
+                        help="reload --config whenever the file changes (SIGHUP always reloads it): backends can be "
+                             "added and removed without dropping traffic")
 
 
-def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        config = load_config(args.config)
-    except ConfigError as e:
-        print(e, file=sys.stderr)
-        return 2
+def read_config(args: argparse.Namespace) -> Config:
+    """The ``--config`` file with the command line's overrides (raises :class:`ConfigError`)."""
+    config = load_config(args.config)
     if args.port is not None:
         config.router.port = args.port
     if args.host is not None:
@@ -47,8 +80,104 @@ def run(args: argparse.Namespace) -> int:
         config.router.policy = args.policy
         for m in config.models:
             m.policy = None
+    return config
+
+
+class ConfigReloader:
+    """Re-reads the config on SIGHUP, and with ``watch`` whenever the file changes, and hands
+    it to :meth:`router.core.Router.reload`."""
+
+    def __init__(self, router: Router, read: Callable[[], Config], path: Path, watch: bool) -> None:
+        self.router = router
+        self.read = read
+        self.path = path
+        self.watch = watch
+        self._tasks: set[asyncio.Task[str | None]] = set()
+
+    def start(self) -> None:
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, lambda: self._spawn(self.reload()))
+        if self.watch:
+            self._spawn(self._watch())
+
+    def stop(self) -> None:
+        asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a reload while draining changes nothing
+        for t in self._tasks:
+            t.cancel()
+
+    def _spawn(self, coro: object) -> None:
+        task = asyncio.ensure_future(coro)  # type: ignore[arg-type]
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def reload(self) -> str:
+        try:
+            config = await asyncio.to_thread(self.read)
+        except ConfigError as e:
+            log.error("config reload refused, the old config keeps serving: %s", e)
+            metrics.child(metrics.CONFIG_RELOADS, "invalid").inc()
+            return "invalid"
+        try:
+            return await self.router.reload(config)
+        except Exception:  # noqa: BLE001 - a bug in a reload must not end the router that serves
+            log.exception("config reload failed")
+            metrics.child(metrics.CONFIG_RELOADS, "failed").inc()
+            return "failed"
+
+    def _stamp(self) -> tuple[int, int] | None:
+        try:
+            st = self.path.stat()
+        except OSError:
+            return None
+        return st.st_mtime_ns, st.st_size
+
+    async def _watch(self) -> None:
+        seen = pending = self._stamp()
+        while True:
+            await asyncio.sleep(RELOAD_POLL_S)
+            now = self._stamp()
+            if now is not None and now != seen and now == pending:
+                seen = now
+                await self.reload()
+            pending = now
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server, draining on SIGTERM and reloading on SIGHUP (see the module docstring)."""
+
+    def __init__(self, config: uvicorn.Config, router: Router, reloader: ConfigReloader) -> None:
+        super().__init__(config)
+        self.router = router
+        self.reloader = reloader
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if sig == signal.SIGTERM:
+            self.should_exit = True  # not recorded for re-raising: a drained router exits 0
+            return
+        super().handle_exit(sig, frame)
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            self.reloader.start()
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self.started:
+            self.reloader.stop()
+        self.router.begin_drain()
+        await super().shutdown(sockets)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = read_config(args)
+    except ConfigError as e:
+        print(e, file=sys.stderr)
+        return 2
     from router.app import create_app
 
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until the router can reload (its default would end the process)
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     # One prompt per encode call: rayon's pool adds threads (and scheduling) and no speed,
     # and it would run deferred tokenization outside the lowered-priority thread.
@@ -59,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         print(f"{args.config}: {e}", file=sys.stderr)
         return 2
-    uvicorn.run(
+    server_config = uvicorn.Config(
         app,
         host=config.router.host,
         port=config.router.port,
@@ -70,5 +199,9 @@ def run(args: argparse.Namespace) -> int:
         proxy_headers=False,  # nothing reads the client address; skips a header scan per request
         timeout_keep_alive=30,
         backlog=4096,
+        timeout_graceful_shutdown=config.router.drain_timeout_s + CUT_GRACE_S,
     )
-    return 0
+    server = Server(server_config, app.state.router, ConfigReloader(app.state.router, lambda: read_config(args),
+                                                                    Path(args.config), args.reload_config))
+    server.run()
+    return 0 if server.started else 3
