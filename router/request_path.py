@@ -113,19 +113,25 @@ class RequestPath:
         chosen = d.decision.backend  # 6. send
         prefill = prefill_tokens(d.ctx, d.candidates)
         ticket = self.loads.acquire(chosen, d.ctx.keys, prefill[chosen])
-        commit(d, chosen)
-        _count(d)
-        return ProxyResponse(self.upstreams, Upstream(
-            path, raw, headers, d.decision.order, d.rt.name, d.rt.policy.name, started,
-            stream=d.q.body.get("stream") is True,
-            keys=d.ctx.keys,
-            prefill_tokens=prefill,
-            ticket=ticket,
-            reason=d.decision.reason if self.settings.expose_decision_headers else None,
-            client_authorization=client_authorization,
-            on_fallback=lambda backend: commit(d, backend),
-            on_done=self.settler.owe(d, ticket),  # 7. settle
-        ))
+        try:
+            commit(d, chosen)
+            _count(d)
+            return ProxyResponse(self.upstreams, Upstream(
+                path, raw, headers, d.decision.order, d.rt.name, d.rt.policy.name, started,
+                stream=d.q.body.get("stream") is True,
+                keys=d.ctx.keys,
+                prefill_tokens=prefill,
+                ticket=ticket,
+                reason=d.decision.reason if self.settings.expose_decision_headers else None,
+                client_authorization=client_authorization,
+                on_fallback=lambda backend: commit(d, backend),
+                on_done=self.settler.owe(d, ticket),  # 7. settle
+            ))
+        except BaseException:
+            # The proxy releases the ticket once it owns it; until then nothing would, and a
+            # leaked ticket is phantom load on the backend for the router's lifetime.
+            ticket.release()
+            raise
 
 
 def _count(d: Decided) -> None:
