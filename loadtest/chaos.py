@@ -564,16 +564,21 @@ def acceptance(r: dict[str, Any]) -> dict[str, bool | None]:
 # -- whole run -------------------------------------------------------------------------------
 
 
-def measure_rate_scale(opt: ChaosOptions, log: Callable[[str], None]) -> tuple[float, dict[str, Any]]:
-    """The arrival-rate multiplier for ``target_load`` of the capacity ``kvrouter bench`` measures."""
+def rate_scale_for(opt: ChaosOptions, given: float | None, log: Callable[[str], None], meta: dict[str, Any]) -> float:
+    """``given``, or the arrival-rate multiplier for ``opt.target_load`` of the capacity
+    ``kvrouter bench`` measures (recorded in ``meta`` with the scale)."""
     from loadtest.bench import measure_capacity
 
-    wl = mixed(opt.workload, seed=opt.seed, max_requests=400)
-    log("measuring fleet capacity (closed-loop saturation, round_robin) ...")
-    cap = measure_capacity(wl, fleet_spec(opt), opt.out / "work" / "capacity")
-    scale = opt.target_load * cap.requests_per_s / wl.arrival_rate
-    log(f"capacity {cap.requests_per_s:.2f} req/engine-s -> rate scale {scale:.3f} at load {opt.target_load}")
-    return scale, {"capacity_req_per_engine_s": cap.requests_per_s, "target_load": opt.target_load}
+    scale = given
+    if scale is None:
+        wl = mixed(opt.workload, seed=opt.seed, max_requests=400)
+        log("measuring fleet capacity (closed-loop saturation, round_robin) ...")
+        cap = measure_capacity(wl, fleet_spec(opt), opt.out / "work" / "capacity")
+        scale = opt.target_load * cap.requests_per_s / wl.arrival_rate
+        log(f"capacity {cap.requests_per_s:.2f} req/engine-s -> rate scale {scale:.3f} at load {opt.target_load}")
+        meta.update({"capacity_req_per_engine_s": cap.requests_per_s, "target_load": opt.target_load})
+    meta["rate_scale"] = scale
+    return scale
 
 
 def run_chaos(opt: ChaosOptions) -> dict[str, Any]:
@@ -583,12 +588,7 @@ def run_chaos(opt: ChaosOptions) -> dict[str, Any]:
     opt.out.mkdir(parents=True, exist_ok=True)
     meta: dict[str, Any] = {"speedup": opt.speedup, "health_interval_s": opt.health_interval_s,
                             "backends": opt.spec.backends, "sim_args": opt.spec.sim_args}
-    if opt.rate_scale is None:
-        rate_scale, cap = measure_rate_scale(opt, console.print)
-        meta.update(cap)
-    else:
-        rate_scale = opt.rate_scale
-    meta["rate_scale"] = rate_scale
+    rate_scale = rate_scale_for(opt, opt.rate_scale, console.print, meta)
     results = []
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 

@@ -206,7 +206,22 @@ class ChaosFleet(EngineFleet):
             p.stop()
 
 
-class RouterChild:
+class _Restartable:
+    """A process a scenario kills outright (SIGKILL, no goodbye) and starts again later."""
+
+    child: Child | None = None
+
+    def kill(self) -> None:
+        assert self.child is not None
+        self.child.popen.send_signal(signal.SIGKILL)
+        self.child.popen.wait(10)
+
+    def stop(self) -> None:
+        if self.child is not None:
+            self.child.stop()
+
+
+class RouterChild(_Restartable):
     """``kvrouter serve`` on a fixed port (a killed replica comes back on it), config as YAML."""
 
     def __init__(self, name: str, config: dict[str, Any], workdir: Path) -> None:
@@ -256,17 +271,8 @@ class RouterChild:
     def usage(self) -> tuple[int, int]:
         return process_usage(self.pid)
 
-    def kill(self) -> None:
-        assert self.child is not None
-        self.child.popen.send_signal(signal.SIGKILL)
-        self.child.popen.wait(10)
 
-    def stop(self) -> None:
-        if self.child is not None:
-            self.child.stop()
-
-
-class RedisChild:
+class RedisChild(_Restartable):
     """A ``redis-server`` without persistence: a restart comes back empty, as a cache does."""
 
     def __init__(self, workdir: Path) -> None:
@@ -291,14 +297,6 @@ class RedisChild:
         _wait_port(self.port, 20.0, self.child)
         return self
 
-    def kill(self) -> None:
-        assert self.child is not None
-        self.child.popen.send_signal(signal.SIGKILL)
-        self.child.popen.wait(10)
-
-    def stop(self) -> None:
-        if self.child is not None:
-            self.child.stop()
 
 
 class IndexerChild:

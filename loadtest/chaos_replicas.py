@@ -27,7 +27,7 @@ from typing import Any
 
 import httpx
 
-from loadtest.chaos import ChaosOptions, environment, measure_rate_scale
+from loadtest.chaos import ChaosOptions, environment, rate_scale_for
 from loadtest.chaos_traffic import Record, Traffic, chaos_spec
 from loadtest.fleet import scrape
 from loadtest.replay import percentiles
@@ -110,12 +110,7 @@ def run_replicas(opt: ReplicaOptions) -> dict[str, Any]:
     chaos = ChaosOptions(out=opt.out, speedup=opt.speedup, target_load=opt.target_load, seed=opt.seed,
                          workload=chaos_spec())
     meta: dict[str, Any] = {"speedup": opt.speedup, "max_requests": opt.max_requests, "seed": opt.seed}
-    if opt.rate_scale is None:
-        rate_scale, cap = measure_rate_scale(chaos, console.print)
-        meta.update(cap)
-    else:
-        rate_scale = opt.rate_scale
-    meta["rate_scale"] = rate_scale
+    rate_scale = rate_scale_for(chaos, opt.rate_scale, console.print, meta)
     workload = mixed(chaos.workload, seed=opt.seed + 1000, max_requests=opt.max_requests)
     rounds: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in SETUPS}
     for rep, (name, routers, redis) in ((r, s) for r in range(opt.repeats) for s in SETUPS):

@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 
-from loadtest.chaos import ChaosOptions, environment, load_counters, measure_rate_scale
+from loadtest.chaos import ChaosOptions, environment, load_counters, rate_scale_for
 from loadtest.chaos_traffic import Traffic, chaos_spec, session_stream
 from loadtest.fleet import FleetSpec
 from loadtest.replay import percentiles
@@ -108,12 +108,7 @@ def run_soak(opt: SoakOptions) -> dict[str, Any]:
                          spec=replace(opt.spec, speedup=opt.speedup), workload=opt.workload)
     meta: dict[str, Any] = {"seconds": opt.seconds, "sample_s": opt.sample_s, "speedup": opt.speedup,
                             "sim_args": chaos.spec.sim_args}
-    if opt.rate_scale is None:
-        rate_scale, cap = measure_rate_scale(chaos, console.print)
-        meta.update(cap)
-    else:
-        rate_scale = opt.rate_scale
-    meta["rate_scale"] = rate_scale
+    rate_scale = rate_scale_for(chaos, opt.rate_scale, console.print, meta)
     warmup = opt.warmup_s if opt.warmup_s is not None else min(600.0, opt.seconds / 5)
     meta["warmup_s"] = warmup
     samples: list[dict[str, Any]] = []
