@@ -70,6 +70,12 @@ class RequestPath:
         hits: dict[Worker, dict[str, int]] = {}  # 4. look up
         lookup_s = 0.0
         if isinstance(plan, Deferred):
+            if act and plan.keys:
+                # A request whose first block is still settling (an earlier turn sent on its
+                # head) waits for it, bounded: the segment cache may already hold that turn's
+                # text while the policy has not yet learned its keys, and a decision in that
+                # gap would send the conversation elsewhere.
+                await self.settler.after_pending(rt.name, plan.keys[0])
             hits, lookup_s = await self._look_up(rt, plan.keys)
             if not plan.holds(rt, hits, self.settler.known):
                 plan = await self.planner.exact(q, plan.prompt, "known")
