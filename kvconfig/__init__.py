@@ -189,6 +189,31 @@ class RouterSettings(_Strict):
     """On SIGTERM the router stops accepting connections and lets the requests in flight
     finish for at most this long; a stream still open then ends with an error event
     (code ``shutting_down``), a request not yet answered gets 503, and the process exits 0."""
+    workers: int | None = Field(default=None, ge=1, le=256)
+    """Router processes serving one port (``kvrouter serve --workers N`` and the
+    ``KVROUTER_WORKERS`` variable override it). Default: the cores this process may run
+    on. 1 is today's single process; more share load and health (router/workers.py)."""
+    shared_load: str = "auto"
+    """Where router replicas share their load: a Redis URL, ``auto`` (the index's URL when
+    the index is Redis, else nothing) or ``off``."""
+    shared_load_interval_s: float = Field(default=0.1, gt=0)
+    """How often a replica publishes its load and reads the others'."""
+    shared_load_ttl_s: float = Field(default=1.0, gt=0)
+    """How long a replica's published load outlives its last refresh: a killed replica's
+    load is gone from the others' view within this."""
+
+    @field_validator("shared_load")
+    @classmethod
+    def _shared_load_kind(cls, v: str) -> str:
+        if v not in ("auto", "off") and not v.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"shared_load must be 'auto', 'off' or a Redis URL (redis://host:6379/0), got {redact_url(v)!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _ttl_outlives_interval(self) -> "RouterSettings":
+        if self.shared_load_ttl_s <= self.shared_load_interval_s:
+            raise ValueError("shared_load_ttl_s must be longer than shared_load_interval_s (else live replicas expire)")
+        return self
 
 
 class Config(_Strict):
@@ -228,6 +253,15 @@ class Config(_Strict):
         if dupes:
             raise ValueError(f"model and adapter names must be unique, repeated: {dupes}")
         return self
+
+    def shared_load_url(self) -> str | None:
+        """The Redis URL replicas share their load through, or None (``router.shared_load``)."""
+        v = self.router.shared_load
+        if v == "off":
+            return None
+        if v == "auto":
+            return None if self.index == "memory" else self.index
+        return v
 
     def model(self, name: str) -> Model | None:
         """The base model serving ``name`` (a model or one of its LoRA adapters)."""

@@ -227,7 +227,9 @@ class RouterChild(_Restartable):
     def __init__(self, name: str, config: dict[str, Any], workdir: Path) -> None:
         self.name = name
         self.port = fixed_port_run(1)
-        self.config = {**config, "router": {**config["router"], "port": self.port}}
+        # One process per router unless the config asks for workers: chaos reads one
+        # router's /debug/index and health timeline.
+        self.config = {**config, "router": {"workers": 1, **config["router"], "port": self.port}}
         self.workdir = workdir
         self.child: Child | None = None
         self.starts = 0

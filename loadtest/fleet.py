@@ -258,9 +258,10 @@ class EngineFleet:
                          for e in self.engines],
         }
 
-    def router_config(self, policy: str, port: int, weights: dict[str, Any] | None = None) -> dict[str, Any]:
-        """A whole router config for this fleet with one policy."""
-        router: dict[str, Any] = {"host": "127.0.0.1", "port": port, "policy": policy}
+    def router_config(self, policy: str, port: int, weights: dict[str, Any] | None = None, workers: int = 1) -> dict[str, Any]:
+        """A whole router config for this fleet with one policy (one router process unless
+        ``workers`` says otherwise: the bench compares policies, not process counts)."""
+        router: dict[str, Any] = {"host": "127.0.0.1", "port": port, "policy": policy, "workers": workers}
         if weights:
             router["weights"] = weights
         return {"models": [self.model_config()], "router": router, "index": "memory"}
@@ -325,17 +326,19 @@ class _RouterProcess(_Supervised):
 class Router(_RouterProcess):
     """``kvrouter serve`` for a :class:`Fleet` with one policy, on a free port."""
 
-    def __init__(self, fleet: EngineFleet, policy: str, workdir: Path, *, weights: dict[str, Any] | None = None) -> None:
+    def __init__(self, fleet: EngineFleet, policy: str, workdir: Path, *, weights: dict[str, Any] | None = None,
+                 workers: int = 1) -> None:
         self.fleet = fleet
         self.policy = policy
         self.workdir = workdir
         self.weights = weights
+        self.workers = workers
 
     def _spawn(self) -> list[str]:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.port = free_port_run(1)
         cfg_path = self.workdir / f"router-{self.policy}.yaml"
-        cfg_path.write_text(yaml.safe_dump(self.fleet.router_config(self.policy, self.port, self.weights)))
+        cfg_path.write_text(yaml.safe_dump(self.fleet.router_config(self.policy, self.port, self.weights, self.workers)))
         args = [*KVROUTER, "serve", "--config", str(cfg_path), "--port", str(self.port), "--policy", self.policy]
         self.child = Child(f"router-{self.policy}", args, self.workdir / f"router-{self.policy}.log")
         return [self.url + "/health"]

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import Response
 
 from indexer.index import Index
@@ -138,7 +138,7 @@ def create_app(config: Config, index: Index | None = None) -> Endpoints:
 
     @route("/metrics", "GET")
     async def prometheus(_: Request) -> Response:
-        return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     @route("/debug/route", "POST")
     async def debug_route(request: Request) -> Response:
@@ -200,6 +200,9 @@ def create_app(config: Config, index: Index | None = None) -> Endpoints:
             entry: dict[str, Any] = b.describe()
             entry["models"] = [rt.name for rt in router.models if name in rt.backends]
             entry["load"] = router.loads.get(name).snapshot()
+            by_worker = router.loads.worker_rows(name)
+            if by_worker is not None:
+                entry["load_by_worker"] = by_worker
             streams = [{"dp_rank": w.dp_rank, **dataclasses.asdict(st)} for w, st in sorted(stats.items()) if w.backend == name]
             entry["event_streams"] = streams
             entry["connected"] = bool(streams) and all(s["connected"] for s in streams)
@@ -208,6 +211,6 @@ def create_app(config: Config, index: Index | None = None) -> Endpoints:
                 entry[k] = sum(s[k] for s in streams)
             entry["rehash_mode"] = any(s["rehash_mode"] for s in streams)
             out.append(entry)
-        return json_response({"backends": out})
+        return json_response({"backends": out, **router.sharing()})
 
     return endpoints

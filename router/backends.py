@@ -11,6 +11,15 @@ open. Two signals feed that:
   for ``breaker_cooldown_s``, doubling on each re-open up to 60 s. After the cooldown
   the circuit is half-open: the next request is a trial and its success closes it.
 
+With ``serve --workers N`` there is one health decision per backend, not N: worker 0,
+the *leader*, runs the active checks and publishes each verdict in the shared segment
+(:mod:`router.shared_state`); the other workers follow it within :data:`FOLLOW_S`. A
+passive ejection seen by any worker (a refused connection) is published the same way,
+so every worker ejects the backend, and the leader's next passing check re-admits it
+for all. Should the leader stop beating (it died and is being restarted), the followers
+check for themselves until it is back. The circuit breaker stays per worker: it counts
+that worker's own failures, and opens only that worker's circuit.
+
 A *refused* connection (health check or proxy) means the engine's listener is gone:
 the process died or restarted, and requests already sent to it will never finish (a
 dead peer does not always reset its connections). Those in-flight requests are aborted
@@ -40,10 +49,13 @@ from dataclasses import dataclass
 import aiohttp
 
 from router.config import Backend, Config, RouterSettings
+from router.shared_state import EJECTED, HEALTHY, Segment
 
 log = logging.getLogger(__name__)
 
 MAX_COOLDOWN_S = 60.0
+FOLLOW_S = 0.05
+"""How often a follower worker reads the leader's health verdicts."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +88,9 @@ class BackendState:
         """Proxy tasks waiting on this backend -> how to abort each (see abort_in_flight)."""
         self.retired = False
         """Removed from the config by a reload: no longer checked, closed once idle."""
+        self.shared: tuple[Segment, int] | None = None
+        """The shared segment and this backend's slot, when workers share health verdicts."""
+        self.seen_version = 0
 
     def open(self) -> None:
         """Create the session (needs the running event loop)."""
@@ -132,7 +147,11 @@ class BackendState:
             self.cooldown_s = min(MAX_COOLDOWN_S, self.cooldown_s * 2)
             self.consecutive_failures = 0
 
-    def eject(self, reason: str, *, refused: bool = False) -> None:
+    def eject(self, reason: str, *, refused: bool = False, publish: bool = True) -> None:
+        if publish and self.shared is not None:
+            seg, slot = self.shared
+            seg.set_verdict(slot, EJECTED, refused=refused)
+            self.seen_version = seg.verdict(slot)[1]
         was_ok = self.health_ok
         if was_ok:
             self.ejections += 1
@@ -152,10 +171,29 @@ class BackendState:
             abort(shutting_down)
         return len(aborts)
 
-    def admit(self) -> None:
+    def admit(self, *, publish: bool = True) -> None:
+        if publish and self.shared is not None:
+            seg, slot = self.shared
+            if seg.verdict(slot)[0] != HEALTHY:
+                seg.set_verdict(slot, HEALTHY)
+            self.seen_version = seg.verdict(slot)[1]
         if not self.health_ok:
             log.info("backend %s re-admitted", self.name)
         self.health_ok = True
+
+    def follow(self) -> None:
+        """Take the shared verdict if it changed since this worker last saw it."""
+        assert self.shared is not None
+        seg, slot = self.shared
+        state, version, _, refused = seg.verdict(slot)
+        if version == self.seen_version:
+            return
+        self.seen_version = version
+        if state == HEALTHY:
+            self.admit(publish=False)
+        elif state == EJECTED:
+            self.eject("ejected by the shared health verdict" + (" (connection refused)" if refused else ""),
+                       refused=refused, publish=False)
 
     def describe(self) -> dict[str, object]:
         return {
@@ -188,6 +226,8 @@ class BackendPool:
         self.settings = config.router
         self.backends: dict[str, BackendState] = {}
         self._on_down: Callable[[str], None] | None = None
+        self.segment: Segment | None = None
+        self.worker = 0
         for m in config.models:
             for b in m.backends:
                 if b.name not in self.backends:
@@ -199,6 +239,23 @@ class BackendPool:
     def open(self) -> None:
         for b in self.backends.values():
             b.open()
+
+    def share(self, segment: Segment, worker: int) -> None:
+        """Take health verdicts from ``segment`` (worker 0 is the leader that checks)."""
+        self.segment = segment
+        self.worker = worker
+        for b in self.backends.values():
+            b.shared = (segment, segment.slot(b.name))
+
+    @property
+    def leader(self) -> bool:
+        return self.segment is None or self.worker == 0
+
+    def _leader_gone(self) -> bool:
+        """Whether the leader's heartbeat is older than it would be had it lived on."""
+        assert self.segment is not None
+        late_ns = int((2 * self.settings.health_interval_s + health_timeout(self.settings.health_interval_s) + 1.0) * 1e9)
+        return time.monotonic_ns() - self.segment.last_beat_ns(0) > late_ns
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self._check(b) for b in self.backends.values()))
@@ -215,9 +272,28 @@ class BackendPool:
         self._on_down = on_down
         for b in self.backends.values():
             b.on_down = on_down
+        if self.segment is not None:
+            await self._shared_forever(self.segment)
         while True:
             await self.check_all()
             await asyncio.sleep(self.settings.health_interval_s)
+
+    async def _shared_forever(self, segment: Segment) -> None:
+        """Every :data:`FOLLOW_S`, take the verdicts other workers published (the leader's
+        checks, anyone's passive ejections); each interval, check: the leader always, a
+        follower only while the leader is gone."""
+        checked = time.monotonic()  # core.Router.start has just checked every backend
+        while True:
+            if self.leader:
+                segment.beat(self.worker)
+            for b in list(self.backends.values()):
+                if b.shared is not None and not b.retired:
+                    b.follow()
+            now = time.monotonic()
+            if now - checked >= self.settings.health_interval_s and (self.leader or self._leader_gone()):
+                checked = now
+                await self.check_all()
+            await asyncio.sleep(FOLLOW_S)
 
     async def max_model_len(self, model: str, names: list[str]) -> int | None:
         """``model``'s ``max_model_len`` from the first of ``names`` whose ``/v1/models``
@@ -243,6 +319,8 @@ class BackendPool:
         b = BackendState(backend, self.settings)
         b.open()
         b.on_down = self._on_down
+        if self.segment is not None:
+            b.shared = (self.segment, self.segment.slot(b.name))
         await self._check(b)
         self.backends[b.name] = b
         return b

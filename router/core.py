@@ -26,6 +26,7 @@ import asyncio
 import gc
 import logging
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +48,8 @@ from router.settle import Settler
 
 if TYPE_CHECKING:
     from indexer.subscriber import StreamSpec
+    from router.replica_load import ReplicaLoad
+    from router.shared_state import Segment
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +93,17 @@ class Router:
         self._retiring: set[str] = set()
         """Backends a reload removed whose requests in flight have not all ended yet (their
         event streams are followed until then)."""
+        self.worker = 0
+        self.replica = uuid.uuid4().hex[:12]
+        self.segment: Segment | None = None
+        self.replica_load: ReplicaLoad | None = None
+
+    def share(self, segment: Segment, worker: int, replica: str) -> None:
+        """Worker ``worker`` of a ``serve --workers N`` supervisor: load and health verdicts
+        shared with the other workers through ``segment`` (call before :meth:`start`)."""
+        self.segment, self.worker, self.replica = segment, worker, replica
+        self.loads.share(segment, worker)
+        self.pool.share(segment, worker)
 
     async def start(self) -> None:
         await self.models.load_tokenizers(self.executor)
@@ -104,6 +118,14 @@ class Router:
         )
         self.pool.open()
         await self.pool.check_all()
+        url = self.config.shared_load_url()
+        if url is not None:
+            from router.replica_load import ReplicaLoad
+
+            if not self.loads.shared:
+                self.loads.share(None, self.worker)
+            self.replica_load = ReplicaLoad(url, self.config.index_namespace, self.replica, self.worker, self.loads,
+                                            self.settings.shared_load_interval_s, self.settings.shared_load_ttl_s)
         for rt in self.models:
             if rt.engines is not None:
                 await rt.engines.start()
@@ -112,6 +134,8 @@ class Router:
             asyncio.create_task(scrape_forever(self.pool, self.loads, self.settings.metrics_scrape_interval_s)),
             asyncio.create_task(self._discover_max_model_len()),
         ]
+        if self.replica_load is not None:
+            self._tasks.append(asyncio.create_task(self.replica_load.run_forever()))
         # What exists now (the imports, the tokenizers: over a million objects) lives as long
         # as the router: out of the collector's sight, a full collection scans only what
         # routing allocates. Unfrozen, each took ~50 ms, a stall of every request in flight.
@@ -159,6 +183,8 @@ class Router:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.streams.subscriber is not None:
             await asyncio.to_thread(self.streams.subscriber.stop)
+        if self.replica_load is not None:
+            await self.replica_load.aclose()
         if self._unregister_metrics is not None:
             self._unregister_metrics()
         await self.pool.aclose()
@@ -238,7 +264,7 @@ class Router:
     async def _retire(self, name: str) -> None:
         """A removed backend, once its last request in flight has ended: its event stream
         stops and its workers leave the index, then its load and connections go."""
-        load = self.loads.get(name)
+        load = self.loads.own(name)
         while load.in_flight:
             await asyncio.sleep(RETIRE_POLL_S)
         self._retiring.discard(name)
@@ -271,6 +297,17 @@ class Router:
         for rt in self.models:
             if rt.max_model_len is None:
                 rt.max_model_len = await self.pool.max_model_len(rt.name, rt.backends)
+
+    def sharing(self) -> dict[str, Any]:
+        """Who shares this router's load (``/debug/backends``): the answering worker, the
+        worker count, and other replicas' processes with their last published load."""
+        out: dict[str, Any] = {}
+        if self.segment is not None:
+            out |= {"worker": self.worker, "workers": self.segment.n_workers, "worker_restarts": self.segment.restarts}
+        if self.replica_load is not None:
+            out["replica"] = self.replica
+            out["other_replicas"] = self.replica_load.peers
+        return out
 
     def can_route(self) -> bool:
         return all(any(self.pool.get(n).routable for n in rt.backends) for rt in self.models)

@@ -13,6 +13,15 @@ KV blocks in use are counted as *unique* block keys over the backend's active
 requests (a refcount per key), like Dynamo's active-sequence tracker: 200 requests
 sharing a 4k-token prefix hold that prefix once, so a cache-affine burst does not look
 200 times heavier than it is.
+
+Shared load (``serve --workers N``, replicas on Redis): each process keeps its own exact
+counters (above) and publishes them, a worker into its row of the shared segment
+(:mod:`router.shared_state`) whenever a ticket changes, a replica to Redis on a timer
+(:mod:`router.replica_load`). What the policies read, :meth:`LoadTracker.get`, is then a
+:class:`LoadView`: this process's counters plus every other worker's row plus every other
+replica's last published vector. ``active_blocks`` is summed too, so a prefix held by
+requests of two workers counts twice (the keys themselves are not shared): an
+overestimate bounded by the number of processes, only while both hold it.
 """
 
 from __future__ import annotations
@@ -24,19 +33,59 @@ from typing import TYPE_CHECKING
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from router.shared_state import LOAD_FIELDS
+
 if TYPE_CHECKING:
     from router.backends import BackendPool
+    from router.shared_state import Segment
 
 log = logging.getLogger(__name__)
 
 SCRAPED_GAUGES = ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc")
 
 
-class BackendLoad:
-    """Load of one backend. Mutated only on the event loop (no locks needed)."""
+class _Figures:
+    """What policies read of a backend's load, for :class:`BackendLoad` and :class:`LoadView` alike."""
+
+    __slots__ = ()
+    in_flight: int
+    prefill_tokens: int
+    decode_seqs: int
+    context_blocks: int
+    active_blocks: int
+    scraped_waiting: float | None
+    scraped_running: float | None
+    scraped_kv_usage: float | None
+
+    def effective_in_flight(self) -> float:
+        """Requests on the engine: the router's own count, or the engine's if it sees more
+        (other routers, or a queue the router cannot see)."""
+        scraped = (self.scraped_waiting or 0.0) + (self.scraped_running or 0.0)
+        return max(float(self.in_flight), scraped)
+
+    def snapshot(self) -> dict[str, float | int | None]:
+        return {
+            "in_flight": self.in_flight,
+            "prefill_tokens": self.prefill_tokens,
+            "decode_seqs": self.decode_seqs,
+            "active_blocks": self.active_blocks,
+            "context_blocks": self.context_blocks,
+            "scraped_waiting": self.scraped_waiting,
+            "scraped_running": self.scraped_running,
+            "scraped_kv_cache_usage": self.scraped_kv_usage,
+        }
+
+
+class BackendLoad(_Figures):
+    """This process's load on one backend. Mutated only on the event loop (no locks needed).
+
+    With a shared segment, :meth:`publish` copies the counters into this worker's row
+    after every change (``words`` is None without one)."""
 
     __slots__ = (
         "name",
+        "words",
+        "base",
         "in_flight",
         "prefill_tokens",
         "decode_seqs",
@@ -61,28 +110,51 @@ class BackendLoad:
         self.scraped_running: float | None = None
         self.scraped_kv_usage: float | None = None
         self.scraped_at: float | None = None
+        self.words: memoryview | None = None
+        self.base = 0
 
-    @property
+    @property  # type: ignore[override]
     def active_blocks(self) -> int:
         return len(self.block_refs)
 
-    def effective_in_flight(self) -> float:
-        """Requests on the engine: the router's own count, or the engine's if it sees more
-        (other routers, or a queue the router cannot see)."""
-        scraped = (self.scraped_waiting or 0.0) + (self.scraped_running or 0.0)
-        return max(float(self.in_flight), scraped)
+    def publish(self) -> None:
+        """Copy the counters into this worker's row of the shared segment."""
+        w, b = self.words, self.base
+        assert w is not None
+        w[b] = self.in_flight
+        w[b + 1] = self.prefill_tokens
+        w[b + 2] = self.decode_seqs
+        w[b + 3] = len(self.block_refs)
+        w[b + 4] = self.context_blocks
 
-    def snapshot(self) -> dict[str, float | int | None]:
-        return {
-            "in_flight": self.in_flight,
-            "prefill_tokens": self.prefill_tokens,
-            "decode_seqs": self.decode_seqs,
-            "active_blocks": len(self.block_refs),
-            "context_blocks": self.context_blocks,
-            "scraped_waiting": self.scraped_waiting,
-            "scraped_running": self.scraped_running,
-            "scraped_kv_cache_usage": self.scraped_kv_usage,
-        }
+    def vector(self) -> list[int]:
+        """The counters, in :data:`router.shared_state.LOAD_FIELDS` order."""
+        return [self.in_flight, self.prefill_tokens, self.decode_seqs, len(self.block_refs), self.context_blocks]
+
+
+class LoadView(_Figures):
+    """A backend's load over every worker and replica, as of the moment it was read: what
+    :meth:`LoadTracker.get` answers when the load is shared. A snapshot, not live: read it
+    again to see later changes."""
+
+    __slots__ = ("name", "in_flight", "prefill_tokens", "decode_seqs", "active_blocks", "context_blocks",
+                 "scraped_waiting", "scraped_running", "scraped_kv_usage", "own")
+
+    def __init__(self, own: BackendLoad, *others: tuple[int, int, int, int, int] | None) -> None:
+        self.name = own.name
+        self.own = own
+        a, b, c, d, e = own.in_flight, own.prefill_tokens, own.decode_seqs, len(own.block_refs), own.context_blocks
+        for o in others:
+            if o is not None:
+                a += o[0]
+                b += o[1]
+                c += o[2]
+                d += o[3]
+                e += o[4]
+        self.in_flight, self.prefill_tokens, self.decode_seqs, self.active_blocks, self.context_blocks = a, b, c, d, e
+        self.scraped_waiting = own.scraped_waiting
+        self.scraped_running = own.scraped_running
+        self.scraped_kv_usage = own.scraped_kv_usage
 
 
 class Ticket:
@@ -106,12 +178,16 @@ class Ticket:
         refs = load.block_refs
         for k in keys:
             refs[k] = refs.get(k, 0) + 1
+        if load.words is not None:
+            load.publish()
 
     def first_token(self) -> None:
         if self.phase == 0:
             self.phase = 1
             self.load.prefill_tokens -= self.prefill
             self.load.decode_seqs += 1
+            if self.load.words is not None:
+                self.load.publish()
 
     def settle(self, keys: list[int], prefill: int) -> None:
         """Replace the estimate a deferred request was sent with (the keys of its head and
@@ -127,6 +203,8 @@ class Ticket:
         refs = self.load.block_refs
         for k in keys:
             refs[k] = refs.get(k, 0) + 1
+        if self.load.words is not None:
+            self.load.publish()
 
     def release(self) -> None:
         if self.phase == 2:
@@ -139,6 +217,8 @@ class Ticket:
         self.phase = 2
         load.in_flight -= 1
         self._unref()
+        if load.words is not None:
+            load.publish()
 
     def _unref(self) -> None:
         self.load.context_blocks -= len(self.keys)
@@ -152,23 +232,74 @@ class Ticket:
 
 
 class LoadTracker:
-    """The loads of every configured backend, by name."""
+    """The loads of every configured backend, by name: this process's own (:meth:`own`),
+    and what the policies read (:meth:`get`: the same object when nothing is shared, else a
+    :class:`LoadView` over every worker and replica)."""
 
     def __init__(self, names: list[str]) -> None:
         self.backends: dict[str, BackendLoad] = {n: BackendLoad(n) for n in names}
+        self.segment: Segment | None = None
+        self.worker = 0
+        self._slots: dict[str, int] = {}
+        self.remote: dict[str, tuple[int, int, int, int, int]] = {}
+        """Other replicas' load by backend, summed (set by :class:`router.replica_load.ReplicaLoad`)."""
+        self.shared = False
+
+    def share(self, segment: Segment | None, worker: int) -> None:
+        """Publish this worker's load into ``segment`` and read the other workers' from it
+        (call before the first request); with ``segment`` None, only replicas share."""
+        self.segment = segment
+        self.worker = worker
+        self.shared = True
+        if segment is None:
+            return
+        segment.zero_worker(worker)
+        for name, load in self.backends.items():
+            self._attach(name, load)
+
+    def _attach(self, name: str, load: BackendLoad) -> None:
+        seg = self.segment
+        if seg is None:
+            return
+        slot = self._slots[name] = seg.slot(name)
+        load.words = seg.words
+        load.base = seg.row_base(self.worker, slot)
+        load.publish()
 
     def acquire(self, backend: str, keys: list[int], prefill_tokens: int) -> Ticket:
         return Ticket(self.backends[backend], keys, prefill_tokens)
 
-    def get(self, backend: str) -> BackendLoad:
+    def get(self, backend: str) -> BackendLoad | LoadView:
+        """The backend's load as the policies weigh it: every worker's and replica's requests."""
+        own = self.backends[backend]
+        if not self.shared:
+            return own
+        seg = self.segment
+        others = seg.others(self.worker, self._slots[backend]) if seg is not None else None
+        return LoadView(own, others, self.remote.get(backend))
+
+    def own(self, backend: str) -> BackendLoad:
+        """This process's requests only (what it must drain before it forgets a backend)."""
         return self.backends[backend]
 
     def add(self, backend: str) -> None:
-        self.backends[backend] = BackendLoad(backend)
+        load = self.backends[backend] = BackendLoad(backend)
+        self._attach(backend, load)
 
     def remove(self, backend: str) -> None:
         """Forget a backend a config reload removed (its tickets all released)."""
         del self.backends[backend]
+        slot = self._slots.pop(backend, None)
+        if slot is not None and self.segment is not None:
+            self.segment.zero_row(self.worker, slot)
+
+    def worker_rows(self, backend: str) -> list[dict[str, int]] | None:
+        """Each worker's published counters for ``backend`` (``/debug/backends``), or None unshared."""
+        seg = self.segment
+        slot = self._slots.get(backend)
+        if seg is None or slot is None:
+            return None
+        return [dict(zip(LOAD_FIELDS, seg.row(w, slot))) for w in range(seg.n_workers)]
 
     def total_in_flight(self) -> int:
         return sum(b.in_flight for b in self.backends.values())

@@ -4,17 +4,30 @@ Per-request series are plain counters and histograms updated on the hot path (la
 children are cached by prometheus-client after the first use). Backend load, health
 and event-stream state are read at scrape time by :class:`FleetCollector` from the
 live objects, so the hot path never updates a gauge.
+
+With ``serve --workers N`` the supervisor sets ``PROMETHEUS_MULTIPROC_DIR`` before any
+worker imports prometheus-client, so every counter and histogram lives in a per-process
+file there, and ``/metrics`` (:func:`exposition`) sums all workers' files with
+prometheus-client's ``MultiProcessCollector``, whichever worker answers the scrape; a
+dead worker's counts stay in the sum. The fleet gauges keep coming from
+:class:`FleetCollector`, which in a worker reads the *shared* state (load summed over
+workers and replicas, the one health verdict per backend), so the answering worker
+shows the whole picture: a callback collector is the one kind of gauge multiprocess
+mode cannot aggregate, and this one needs no aggregation. The few plain gauges carry a
+``multiprocess_mode``. The event subscriber's series are per worker (each follows the
+streams) and come from the files too, with a ``pid`` label where they are gauges.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
@@ -96,6 +109,7 @@ COLD_PATH = Counter(
 DRAIN_IN_FLIGHT = Gauge(
     "kvrouter_drain_in_flight_requests",
     "Requests in flight when the router began draining (SIGTERM); 0 before any drain",
+    multiprocess_mode="livesum",
 )
 DRAIN_CUT = Counter(
     "kvrouter_drain_cut_requests",
@@ -176,7 +190,12 @@ class FleetCollector(Collector):
         yield last_seq
         yield blocks
         yield from self._runtime()
-        if self.stream_registry is not None:
+        segment = self.loads.segment
+        if segment is not None:
+            yield GaugeMetricFamily("kvrouter_workers", "Router worker processes (serve --workers)", value=float(segment.n_workers))
+            yield CounterMetricFamily("kvrouter_worker_restarts", "Worker processes the supervisor restarted after they died",
+                                      value=float(segment.restarts))
+        if self.stream_registry is not None and not multiprocess():
             # The subscriber's counters (gaps, replays, connected, rehash mode, ...).
             yield from self.stream_registry.collect()
 
@@ -223,6 +242,9 @@ class StreamView:
         return any(st.connected for w, st in self.stats().items() if w.backend in backends)
 
 
+_FLEET: list[FleetCollector] = []
+
+
 def register_fleet(collector: FleetCollector) -> Callable[[], None]:
     """Register ``collector`` on the default registry; returns the function that removes it.
 
@@ -231,4 +253,34 @@ def register_fleet(collector: FleetCollector) -> Callable[[], None]:
         REGISTRY.register(collector)
     except ValueError:
         return lambda: None
-    return lambda: REGISTRY.unregister(collector)
+    _FLEET.append(collector)
+
+    def unregister() -> None:
+        REGISTRY.unregister(collector)
+        _FLEET.remove(collector)
+
+    return unregister
+
+
+def multiprocess() -> bool:
+    """Whether this process writes its series to ``PROMETHEUS_MULTIPROC_DIR`` (a worker)."""
+    return bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+
+
+class _Fleet(Collector):
+    def collect(self) -> Iterator[Any]:
+        for c in _FLEET:
+            yield from c.collect()
+
+
+def exposition() -> bytes:
+    """The ``/metrics`` page: this process's registry, or with workers every worker's
+    series summed (see the module docstring)."""
+    if not multiprocess():
+        return generate_latest(REGISTRY)
+    from prometheus_client import multiprocess as mp
+
+    registry = CollectorRegistry()
+    mp.MultiProcessCollector(registry)
+    registry.register(_Fleet())
+    return generate_latest(registry)

@@ -40,6 +40,7 @@ REMOTE_MODE = Gauge(
     "kvrouter_tokenizer_remote",
     "1 when the model's prompts are tokenized by a backend's /tokenize, else 0",
     ["model"],
+    multiprocess_mode="livemax",  # serve --workers: 1 when any worker switched
 )
 
 TokenizerMode = Literal["local", "remote", "auto"]

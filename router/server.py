@@ -1,7 +1,10 @@
-"""``kvrouter serve --config FILE [--port P] [--policy NAME] [--reload-config]``: run the router.
+"""``kvrouter serve --config FILE [--port P] [--policy NAME] [--workers N] [--reload-config]``: run the router.
 
-uvicorn with uvloop and httptools (the fastest event loop and HTTP parser it offers),
-one process; access logs are off because they cost more than routing a short request.
+uvicorn with uvloop and httptools (the fastest event loop and HTTP parser it offers);
+access logs are off because they cost more than routing a short request. With one
+worker (``--workers 1``) this is the whole router, in one process; with more, a
+supervisor (:mod:`router.workers`) runs this same command once per worker, each with
+its own ``SO_REUSEPORT`` socket on the port and the shared segment's directory.
 
 The GIL switch interval is lowered from 5 ms to 0.5 ms: the KV-event subscriber and the
 tokenizer pool are CPU-bound threads, and with the default interval the event loop can
@@ -67,6 +70,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reload-config", action="store_true",
                         help="reload --config whenever the file changes (SIGHUP always reloads it): backends can be "
                              "added and removed without dropping traffic")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="router processes on the port, sharing load and health (default: router.workers, else "
+                             "KVROUTER_WORKERS, else the cores this process may use; 1: a single process)")
+    # Set by the supervisor for each worker it starts (router/workers.py).
+    parser.add_argument("--worker-index", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--shared-dir", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--replica", default=None, help=argparse.SUPPRESS)
 
 
 def read_config(args: argparse.Namespace) -> Config:
@@ -149,6 +159,9 @@ class Server(uvicorn.Server):
         super().__init__(config)
         self.router = router
         self.reloader = reloader
+        self.parent: int | None = None
+        """A worker's supervisor: if it goes away, the worker drains (nobody else would stop it)."""
+        self._watch: asyncio.Task[None] | None = None
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if sig == signal.SIGTERM:
@@ -160,6 +173,14 @@ class Server(uvicorn.Server):
         await super().startup(sockets)
         if self.started:
             self.reloader.start()
+            if self.parent is not None:
+                self._watch = asyncio.create_task(self._watch_parent(self.parent))
+
+    async def _watch_parent(self, parent: int) -> None:
+        while os.getppid() == parent:
+            await asyncio.sleep(1.0)
+        log.error("the supervisor (pid %d) is gone: draining", parent)
+        self.handle_exit(signal.SIGTERM, None)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         if self.started:
@@ -175,6 +196,19 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2
+    if args.workers is not None and args.workers < 1:
+        print(f"--workers must be at least 1, got {args.workers}", file=sys.stderr)
+        return 2
+    if args.worker_index is None:
+        from router.workers import Supervisor, worker_count
+
+        try:
+            n = worker_count(args.workers, config)
+        except ValueError as e:
+            print(e, file=sys.stderr)
+            return 2
+        if n > 1:
+            return Supervisor(args, config, n).run()
     from router.app import create_app
 
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until the router can reload (its default would end the process)
@@ -203,5 +237,22 @@ def run(args: argparse.Namespace) -> int:
     )
     server = Server(server_config, app.state.router, ConfigReloader(app.state.router, lambda: read_config(args),
                                                                     Path(args.config), args.reload_config))
-    server.run()
+    if args.worker_index is None:
+        server.run()
+    else:
+        server.parent = os.getppid()
+        server.run(sockets=[_join_workers(args, config, app.state.router)])
     return 0 if server.started else 3
+
+
+def _join_workers(args: argparse.Namespace, config: Config, router: Router) -> socket.socket:
+    """A worker of ``serve --workers N``: attach the shared segment, listen on the port with
+    SO_REUSEPORT, and drain if the supervisor is gone (nobody would stop this process)."""
+    from router.shared_state import Segment
+    from router.workers import SEGMENT_FILE, reuseport_socket
+
+    segment = Segment.attach(Path(args.shared_dir) / SEGMENT_FILE)
+    segment.mark_started(args.worker_index, os.getpid())
+    router.share(segment, args.worker_index, args.replica)
+    return reuseport_socket(config.router.host, config.router.port, listen=True)
+

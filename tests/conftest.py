@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Iterator
 
@@ -9,6 +10,11 @@ import pytest
 
 from router.tokenize import PromptTokenizer
 from support import QWEN3_DIR, Proc, free_port, wait_port
+
+# Every `kvrouter serve` a test starts is one process unless it asks for workers (--workers,
+# tests/test_workers.py): the tests read one router's own state (its /debug/index, policy
+# memory, per-process counters), and the default, one worker per core, would depend on the machine.
+os.environ.setdefault("KVROUTER_WORKERS", "1")
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,140 @@
+"""Load shared across router replicas (hosts) through Redis: tickets that expire.
+
+Every router process publishes its own exact counters per backend (what its
+:class:`router.load.BackendLoad` objects hold) under a key of its own,
+``{namespace}:load:{replica}/{worker}``, with a TTL of ``router.shared_load_ttl_s``,
+every ``router.shared_load_interval_s``; in the same round trip it reads every other
+live process's vector. The sum of the *other replicas'* vectors becomes
+:attr:`router.load.LoadTracker.remote`, which :class:`router.load.LoadView` adds to
+this process's counters (the other workers of the same supervisor are already counted
+through the shared segment, so they are skipped by their replica prefix).
+
+A killed replica stops refreshing its key and Redis expires it within the TTL: its load
+is gone from every other replica's view then, never left behind as phantom load. A
+replica that cannot reach Redis drops the remote figures once they are older than the
+TTL (stale numbers would steer traffic by a picture that is gone), counts the failure
+(``kvrouter_shared_load_failures``) and routes on what it sees itself and the engines'
+scraped queues (``scraped_waiting/running`` in :meth:`router.load.BackendLoad.effective_in_flight`),
+which reconcile every estimate with the engine's real queue each scrape.
+
+One Lua script per round: SET own key PX ttl, SADD the member set, read every member's
+key, SREM the members whose key expired. Members live in one set so a reader needs no
+``SCAN``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+
+import redis.asyncio as aredis
+from prometheus_client import Counter
+
+from router.load import LoadTracker
+
+log = logging.getLogger(__name__)
+
+SHARED_LOAD_FAILURES = Counter(
+    "kvrouter_shared_load_failures", "Rounds of publishing and reading replicas' load in Redis that failed",
+)
+SHARED_LOAD_REPLICAS = Counter(
+    "kvrouter_shared_load_expired", "Other replicas' load vectors found expired (a replica stopped refreshing: died or cut off)",
+)
+
+_ROUND = """
+local members, own, prefix = KEYS[1], ARGV[1], ARGV[2]
+redis.call('SET', prefix .. own, ARGV[3], 'PX', ARGV[4])
+redis.call('SADD', members, own)
+local out, gone = {}, 0
+for _, m in ipairs(redis.call('SMEMBERS', members)) do
+  if m ~= own then
+    local v = redis.call('GET', prefix .. m)
+    if v then
+      out[#out + 1] = m
+      out[#out + 1] = v
+    else
+      redis.call('SREM', members, m)
+      gone = gone + 1
+    end
+  end
+end
+out[#out + 1] = tostring(gone)
+return out
+"""
+
+
+class ReplicaLoad:
+    """Publishes this process's load and reads the other replicas' (see the module docstring)."""
+
+    def __init__(self, url: str, namespace: str, replica: str, worker: int, tracker: LoadTracker,
+                 interval_s: float, ttl_s: float) -> None:
+        self.redis = aredis.Redis.from_url(url, socket_timeout=max(0.5, ttl_s), socket_connect_timeout=max(0.5, ttl_s))
+        self.prefix = f"{namespace}:load:"
+        self.members = f"{namespace}:load-members"
+        self.replica = replica
+        self.me = f"{replica}/{worker}"
+        self.tracker = tracker
+        self.interval_s = interval_s
+        self.ttl_ms = max(1, int(ttl_s * 1000))
+        self.ttl_s = ttl_s
+        self._script = self.redis.register_script(_ROUND)
+        self._read_at = 0.0
+        self.peers: dict[str, dict[str, list[int]]] = {}
+        """The other replicas' processes' last vectors (``/debug/backends``)."""
+
+    async def run_forever(self) -> None:
+        failing = False
+        while True:
+            started = time.monotonic()
+            try:
+                await self.round()
+                if failing:
+                    log.info("shared load: Redis answers again")
+                failing = False
+            except Exception as e:  # noqa: BLE001 - Redis down or slow: route on local load, keep trying
+                SHARED_LOAD_FAILURES.inc()
+                if not failing:
+                    log.warning("shared load: cannot reach Redis (%r); routing on this replica's load until it answers", e)
+                failing = True
+                if time.monotonic() - self._read_at > self.ttl_s:
+                    self.tracker.remote = {}
+                    self.peers = {}
+            await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))
+
+    async def round(self) -> None:
+        mine = {name: load.vector() for name, load in self.tracker.backends.items()}
+        payload = json.dumps(mine, separators=(",", ":"))
+        out = await self._script(keys=[self.members], args=[self.me, self.prefix, payload, self.ttl_ms])
+        gone = int(out[-1])
+        if gone:
+            SHARED_LOAD_REPLICAS.inc(gone)
+        remote: dict[str, list[int]] = {}
+        peers: dict[str, dict[str, list[int]]] = {}
+        own_replica = self.replica.encode() + b"/"
+        for i in range(0, len(out) - 1, 2):
+            member, raw = out[i], out[i + 1]
+            if member.startswith(own_replica):
+                continue  # a worker of this supervisor: counted through the shared segment
+            try:
+                vector = json.loads(raw)
+            except ValueError:
+                continue
+            peers[member.decode(errors="replace")] = vector
+            for name, v in vector.items():
+                acc = remote.setdefault(name, [0, 0, 0, 0, 0])
+                for j in range(5):
+                    acc[j] += int(v[j])
+        self.tracker.remote = {name: (v[0], v[1], v[2], v[3], v[4]) for name, v in remote.items()}
+        self.peers = peers
+        self._read_at = time.monotonic()
+
+    async def aclose(self) -> None:
+        """Withdraw this process's vector at once (a clean stop need not wait for the TTL)."""
+        try:
+            await self.redis.delete(self.prefix + self.me)
+            await self.redis.srem(self.members, self.me)
+        except Exception as e:  # noqa: BLE001 - the TTL removes it anyway
+            log.debug("shared load: could not withdraw %s: %r", self.me, e)
+        await self.redis.aclose()

@@ -1,0 +1,230 @@
+"""``kvrouter serve --workers N``: N router processes on one port, under a small supervisor.
+
+The shape is gunicorn's and uvicorn's (``uvicorn --workers``): a parent that routes
+nothing starts N worker processes, forwards signals to them and restarts one that
+dies; the kernel spreads connections over the workers. There is no balancer in front.
+
+**How connections are spread: SO_REUSEPORT.** Each worker opens its own listening socket
+on the port with ``SO_REUSEPORT``, and Linux hashes every new connection to one of the
+listeners. The other common way, one socket bound by the parent and inherited by every
+worker (gunicorn, ``uvicorn --workers``), lets whichever worker's ``accept`` wakes first
+take the connection, and on Linux that favours the busiest, most recently active worker
+(epoll wakes waiters last in, first out). Measured on this 2-core machine with
+``benchmarks/bench_workers.py accept`` (2 workers, 200 keep-alive connections opened
+against an idle router, medians of 5): the connection share of the busier worker was
+0.50-0.53 with SO_REUSEPORT and 0.55-0.95 with one shared socket, varying run to run
+(see docs/scaling.md, "Workers"). The supervisor keeps a bound, non-listening socket on
+the port, which reserves it (port 0 resolves to one port for every worker) without
+receiving connections.
+
+**What workers share** (:mod:`router.shared_state`): each backend's load (every worker's
+tickets, so kv_aware weighs every request, not 1/N of them) and one health verdict per
+backend (worker 0 checks, the others follow). ``/metrics`` sums every worker's series
+(``PROMETHEUS_MULTIPROC_DIR``, set here before a worker starts: see
+:mod:`router.metrics`). Each worker follows the engines' KV-event streams itself with the
+in-memory index, or reads the Redis index ``kvrouter indexer`` fills: docs/scaling.md
+gives the measured costs of both.
+
+**Signals.** SIGTERM: forwarded to every worker, each drains as a single router does
+(:mod:`router.server`), and the supervisor exits 0 once all of them exited 0. SIGINT
+likewise. SIGHUP: forwarded; each worker re-reads the config file (the backend slots of
+the shared segment are keyed by name, so workers that reload a moment apart agree).
+
+**Restarts.** A worker that exits while the supervisor is not stopping is restarted
+after a back-off (:data:`FIRST_BACKOFF_S`, doubling to :data:`MAX_BACKOFF_S`, back to
+the first after :data:`STABLE_S` of life); its load row is zeroed first (its requests
+died with it: no phantom load) and ``kvrouter_worker_restarts`` counts it. A worker that
+exits with status 2 (its config did not load) stops the supervisor: a restart would
+fail the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from types import FrameType
+
+from router.config import Config
+from router.shared_state import Segment
+
+log = logging.getLogger(__name__)
+
+FIRST_BACKOFF_S = 0.5
+MAX_BACKOFF_S = 30.0
+STABLE_S = 30.0
+POLL_S = 0.1
+SEGMENT_FILE = "shared"
+METRICS_DIR = "metrics"
+
+
+def default_workers() -> int:
+    """The cores this process may run on (its CPU affinity), else the machine's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def worker_count(cli: int | None, config: Config) -> int:
+    """``--workers``, else ``KVROUTER_WORKERS``, else ``router.workers``, else the cores
+    (raises ValueError on a bad variable)."""
+    if cli is not None:
+        return cli
+    env = os.environ.get("KVROUTER_WORKERS", "").strip()
+    if env:
+        try:
+            n = int(env)
+        except ValueError:
+            raise ValueError(f"KVROUTER_WORKERS must be a whole number of at least 1, got {env!r}") from None
+        if n < 1:
+            raise ValueError(f"KVROUTER_WORKERS must be at least 1, got {n}")
+        return n
+    if config.router.workers is not None:
+        return config.router.workers
+    return default_workers()
+
+
+def reuseport_socket(host: str, port: int, *, listen: bool) -> socket.socket:
+    """A TCP socket on ``host:port`` with ``SO_REUSEPORT`` (and listening, for a worker)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    if listen:
+        sock.listen(4096)
+    sock.set_inheritable(False)
+    return sock
+
+
+def _ignore_sighup() -> None:
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+
+class Supervisor:
+    """Starts, watches, signals and restarts the workers (see the module docstring)."""
+
+    def __init__(self, args: argparse.Namespace, config: Config, n: int) -> None:
+        self.args = args
+        self.config = config
+        self.n = n
+        self.procs: list[subprocess.Popen[bytes] | None] = [None] * n
+        self.started_at = [0.0] * n
+        self.backoff = [FIRST_BACKOFF_S] * n
+        self.restart_at: list[float | None] = [None] * n
+        self.stopping: int | None = None
+        self.exit_codes: dict[int, int] = {}
+        self.replica = uuid.uuid4().hex[:12]
+
+    def run(self) -> int:
+        if not hasattr(socket, "SO_REUSEPORT"):
+            print("--workers above 1 needs SO_REUSEPORT (Linux, BSD); run with --workers 1", file=sys.stderr)
+            return 2
+        shm = Path("/dev/shm")
+        rundir = Path(tempfile.mkdtemp(prefix="kvrouter-", dir=shm if shm.is_dir() and os.access(shm, os.W_OK) else None))
+        try:
+            (rundir / METRICS_DIR).mkdir()
+            self.segment = Segment.create(rundir / SEGMENT_FILE, self.n)
+            settings = self.config.router
+            try:
+                holder = reuseport_socket(settings.host, settings.port, listen=False)
+            except OSError as e:
+                print(f"cannot bind {settings.host}:{settings.port}: {e}", file=sys.stderr)
+                return 2
+            self.port = holder.getsockname()[1]
+            self.rundir = rundir
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                signal.signal(sig, self._on_signal)
+            log.info("supervisor %d: %d workers on %s:%d (SO_REUSEPORT)", os.getpid(), self.n, settings.host, self.port)
+            for i in range(self.n):
+                self._spawn(i)
+            code = self._watch()
+            holder.close()
+            self.segment.close()
+            return code
+        finally:
+            shutil.rmtree(rundir, ignore_errors=True)
+
+    def _on_signal(self, sig: int, _: FrameType | None) -> None:
+        if sig == signal.SIGHUP:
+            log.info("SIGHUP: every worker reloads the config")
+        elif self.stopping is None:
+            self.stopping = sig
+            log.info("%s: stopping the workers (each drains)", signal.Signals(sig).name)
+        for p in self.procs:
+            if p is not None and p.poll() is None:
+                p.send_signal(sig)
+
+    def _command(self, i: int) -> list[str]:
+        a = self.args
+        cmd = [sys.executable, "-m", "router.cli", "serve", "--config", a.config, "--host", self.config.router.host,
+               "--port", str(self.port), "--log-level", a.log_level, "--workers", "1",
+               "--worker-index", str(i), "--shared-dir", str(self.rundir), "--replica", self.replica]
+        if a.policy is not None:
+            cmd += ["--policy", a.policy]
+        if a.reload_config:
+            cmd.append("--reload-config")
+        return cmd
+
+    def _spawn(self, i: int) -> None:
+        env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(self.rundir / METRICS_DIR)}
+        self.segment.zero_worker(i)
+        # Born ignoring SIGHUP: a reload forwarded while a worker still starts must not end it
+        # (the default action); it reads the config file at start anyway.
+        self.procs[i] = subprocess.Popen(self._command(i), env=env, stdin=subprocess.DEVNULL,
+                                         preexec_fn=_ignore_sighup)
+        self.started_at[i] = time.monotonic()
+        self.restart_at[i] = None
+        log.info("worker %d started (pid %d)", i, self.procs[i].pid)  # type: ignore[union-attr]
+
+    def _watch(self) -> int:
+        while True:
+            now = time.monotonic()
+            for i, p in enumerate(self.procs):
+                if p is not None and (code := p.poll()) is not None:
+                    self._exited(i, p, code, now)
+                if self.procs[i] is None and self.stopping is None and (at := self.restart_at[i]) is not None and now >= at:
+                    self._spawn(i)
+            if self.stopping is not None and all(p is None for p in self.procs):
+                bad = {i: c for i, c in self.exit_codes.items() if c != 0}
+                if bad:
+                    log.warning("workers exited with %s", bad)
+                return 0 if not bad else 1
+            if 2 in self.exit_codes.values() and self.stopping is None:
+                log.error("a worker could not load its config: stopping")
+                self._on_signal(signal.SIGTERM, None)
+            time.sleep(POLL_S)
+
+    def _exited(self, i: int, p: subprocess.Popen[bytes], code: int, now: float) -> None:
+        from prometheus_client import multiprocess as mp
+
+        self.procs[i] = None
+        self.segment.zero_worker(i)  # its requests died with it
+        mp.mark_process_dead(p.pid, str(self.rundir / METRICS_DIR))
+        if self.stopping is not None:
+            # Killed by the forwarded signal itself: it had not installed its handlers, so
+            # it was still starting and served nothing.
+            self.exit_codes[i] = 0 if code == -self.stopping else code
+            log.info("worker %d exited (%d)", i, code)
+            return
+        if code == 2:
+            self.exit_codes[i] = code
+            return
+        lived = now - self.started_at[i]
+        if lived >= STABLE_S:
+            self.backoff[i] = FIRST_BACKOFF_S
+        delay = self.backoff[i]
+        self.backoff[i] = min(MAX_BACKOFF_S, delay * 2)
+        self.restart_at[i] = now + delay
+        self.segment.count_restart()
+        log.warning("worker %d (pid %d) died with status %d after %.1fs: restarting in %.1fs", i, p.pid, code, lived, delay)
