@@ -70,6 +70,23 @@ class ApproxPrefixIndex:
                 entries.move_to_end(k)
         self._expire(now)
 
+    def insert_stored(self, stored: list[int], backend: str) -> None:
+        """:meth:`insert` for a chain given by its keys at the stored positions only (another
+        worker's insert replayed: router/shared_prefix.py)."""
+        if self.ttl_s <= 0 or not stored:
+            return
+        now = self._clock()
+        expiry = now + self.ttl_s
+        entries = self._entries
+        for k in reversed(stored):
+            owners = entries.get(k)
+            if owners is None:
+                entries[k] = {backend: expiry}
+            else:
+                owners[backend] = expiry
+                entries.move_to_end(k)
+        self._expire(now)
+
     def match(self, keys: list[int]) -> dict[str, int]:
         """Leading blocks of ``keys`` each backend was sent within the TTL (see the module
         docstring for the rounding)."""
