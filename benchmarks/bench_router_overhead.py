@@ -25,6 +25,20 @@ about a millisecond of CPU per request, which on this 2-core machine would cap t
 measurement below what the router sustains. The router is one process (one core).
 
     .venv/bin/python benchmarks/bench_router_overhead.py [--reps 8] [--json OUT]   # ~2.5 min
+
+``--sweep`` (issue 16's concurrency figures) measures only the warm 10-turn case, non-
+streamed, at 1, 8, 32 and 128 concurrent clients, through ``kvrouter 1w`` and ``kvrouter
+2w`` (``serve --workers``, when this tree has it) next to vllm-router ``round_robin`` and
+``kv_aware``, all in front of the same two simulated engines. Each client is a closed loop
+(one keep-alive connection, the next request when the last answered) on aiohttp with pre-
+serialised bodies, the cheapest Python client (``benchmarks/bench_http_clients.py``), so at
+128 clients the client's CPU is as small as it can be. Rounds are interleaved (every level,
+every target, the order rotated) and each figure is the median over ``--sweep-repeats``
+rounds; overhead = a target's p50 (p99) minus direct's at the same level in the same round.
+The warm history is shown to each kvrouter on 8 fresh connections first, so every worker of
+a multi-worker router has seen it (its segment and hash caches are per process).
+
+    flock /tmp/kvr-bench.lock .venv/bin/python benchmarks/bench_router_overhead.py --sweep [--sweep-repeats 3] [--json OUT]
 """
 
 from __future__ import annotations
@@ -269,9 +283,20 @@ def kvrouter_config(backends: list[tuple[str, int, int | None]], path: Path) -> 
     path.write_text(yaml.safe_dump(cfg))
 
 
-def start_kvrouter(cfg: Path, log: Path) -> tuple[Proc, str]:
+def serve_supports_workers() -> bool:
+    """Whether this tree's ``kvrouter serve`` takes ``--workers`` (issue 16's multi-process serve)."""
+    import subprocess
+
+    out = subprocess.run([*KVROUTER, "serve", "--help"], capture_output=True, text=True, cwd=REPO, timeout=60).stdout
+    return "--workers" in out
+
+
+def start_kvrouter(cfg: Path, log: Path, workers: int | None = None) -> tuple[Proc, str]:
+    """``kvrouter serve``; ``workers`` given as ``--workers`` (None: the command's default,
+    which is one process on a tree without ``--workers`` and every core on one with it)."""
     port = free_port()
-    proc = Proc(KVROUTER + ["serve", "--config", str(cfg), "--port", str(port), "--log-level", "warning"], log)
+    extra = [] if workers is None else ["--workers", str(workers)]
+    proc = Proc(KVROUTER + ["serve", "--config", str(cfg), "--port", str(port), "--log-level", "warning", *extra], log)
     wait_http(f"http://127.0.0.1:{port}/health", timeout=180, proc=proc.popen)
     return proc, f"http://127.0.0.1:{port}"
 
@@ -283,15 +308,157 @@ def start_vllm_router(policy: str, workers: list[tuple[int, int | None]], workdi
     return router, router.url
 
 
+SWEEP_LEVELS = (1, 8, 32, 128)
+
+
+def sweep_count(clients: int) -> int:
+    """Requests per run at a concurrency level: enough for a p99 at low levels, and every
+    client busy a few times at high ones."""
+    return max(48, 3 * clients)
+
+
+async def closed_loop(base: str, bodies: list[bytes], clients: int) -> tuple[list[float], int]:
+    """``clients`` concurrent closed loops sending ``bodies`` (each once, non-streamed):
+    every latency in seconds and the number of non-200 answers."""
+    import aiohttp
+
+    queue = list(reversed(bodies))
+    out: list[float] = []
+    errors = 0
+    connector = aiohttp.TCPConnector(limit=clients, limit_per_host=clients)
+    headers = {"content-type": "application/json"}
+    async with aiohttp.ClientSession(base, connector=connector, timeout=aiohttp.ClientTimeout(total=300)) as http:
+        warm = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "warm up"}], "max_tokens": 1}).encode()
+
+        async def client() -> None:
+            nonlocal errors
+            async with http.post("/v1/chat/completions", data=warm, headers=headers) as r:  # open this client's connection
+                await r.read()
+            while queue:
+                body = queue.pop()
+                t0 = time.perf_counter()
+                async with http.post("/v1/chat/completions", data=body, headers=headers) as r:
+                    await r.read()
+                    if r.status != 200:
+                        errors += 1
+                out.append(time.perf_counter() - t0)
+
+        await asyncio.gather(*(client() for _ in range(clients)))
+    return out, errors
+
+
+async def show_history(base: str, seen: dict[str, Any], connections: int = 8) -> None:
+    """Send the warm history on ``connections`` fresh connections (one each), so that every
+    worker behind a SO_REUSEPORT port has most likely seen it (misses ~2^-7 for 2 workers)."""
+    import aiohttp
+
+    data = json.dumps(seen).encode()
+    for _ in range(connections):
+        async with aiohttp.ClientSession(base) as http, http.post("/v1/chat/completions", data=data,
+                                                                   headers={"content-type": "application/json"}) as r:
+            await r.read()
+
+
+def sweep(args: argparse.Namespace, tmp: Path) -> None:
+    """Warm 10-turn chat overhead p50 / p99 at 1, 8, 32, 128 clients (see the module docstring)."""
+    import statistics
+
+    procs: list[Proc | VllmRouter] = []
+    results: dict[str, Any] = {"levels": list(args.levels), "rounds": []}
+    try:
+        sim_http, sim_ev = free_ports(2), free_ports(2)
+        sim = Proc(KVROUTER + ["sim", "--instances", "2", "--port", str(sim_http), "--kv-events-port", str(sim_ev), "--model", MODEL,
+                               "--tokenizer", str(QWEN3_DIR), "--hash-seed", "0", "--speedup", "1000", "--max-model-len", "40960"], tmp / "sim.log")
+        procs.append(sim)
+        for i in range(2):
+            wait_http(f"http://127.0.0.1:{sim_http + i}/health", timeout=180, proc=sim.popen)
+        kvrouter_config([(f"sim-{i}", sim_http + i, sim_ev + i) for i in range(2)], tmp / "sim.yaml")
+        targets = {"direct": f"http://127.0.0.1:{sim_http}"}
+        multi = serve_supports_workers()
+        for w in (1, 2):
+            if w > 1 and not multi:
+                print(f"kvrouter {w}w: skipped, this tree's `kvrouter serve` has no --workers yet")
+                continue
+            router, url = start_kvrouter(tmp / "sim.yaml", tmp / f"router-{w}w.log", w if multi else None)
+            procs.append(router)
+            targets[f"kvrouter {w}w"] = url
+        if not args.no_peer and vllm_router_binary() is not None:
+            workers = [(sim_http + i, sim_ev + i) for i in range(2)]
+            for name, policy in (("vllm-router rr", "round_robin"), ("vllm-router kv", "kv_aware")):
+                p, url = start_vllm_router(policy, workers, tmp)
+                procs.append(p)
+                targets[name] = url
+        elif not args.no_peer:
+            print(f"vllm-router not installed ({INSTALL_HINT}): peer columns skipped")
+
+        texts = Texts()
+        seen, history = warm_chat(texts)
+        for url in targets.values():
+            asyncio.run(show_history(url, seen))
+        names = list(targets)
+        print(f"warm 10-turn chat (~8k history + ~200 new tokens), non-streamed; {args.sweep_repeats} interleaved rounds")
+        for rnd in range(args.sweep_repeats):
+            for level in args.levels:
+                n = sweep_count(level)
+                order = names[rnd % len(names):] + names[: rnd % len(names)]
+                row: dict[str, Any] = {"round": rnd, "clients": level, "n": n, "targets": {}}
+                for t in order:
+                    bodies = [json.dumps(b).encode() for b in warm_turns(texts, history, n)]
+                    lats, errors = asyncio.run(closed_loop(targets[t], bodies, level))
+                    row["targets"][t] = {"p50_ms": pct(lats, 0.5) * 1e3, "p99_ms": pct(lats, 0.99) * 1e3, "errors": errors}
+                base = row["targets"]["direct"]
+                for t, v in row["targets"].items():
+                    v["overhead_p50_ms"] = v["p50_ms"] - base["p50_ms"]
+                    v["overhead_p99_ms"] = v["p99_ms"] - base["p99_ms"]
+                results["rounds"].append(row)
+                print(f"  round {rnd + 1} c={level:<3} " + "  ".join(
+                    f"{t} {v['p50_ms']:.1f}/{v['p99_ms']:.1f}" + (f" ({v['errors']} errors)" if v["errors"] else "")
+                    for t, v in row["targets"].items()), flush=True)
+
+        def med(level: int, t: str, field: str) -> float:
+            return statistics.median(r["targets"][t][field] for r in results["rounds"] if r["clients"] == level)
+
+        print(f"\n{'clients':>7} {'target':16} {'p50 ms':>8} {'p99 ms':>8} {'ovh p50':>8} {'ovh p99':>8}   (medians of rounds)")
+        summary: dict[str, dict[str, dict[str, float]]] = {}
+        for level in args.levels:
+            summary[str(level)] = {}
+            for t in names:
+                cell = {f: med(level, t, f) for f in ("p50_ms", "p99_ms", "overhead_p50_ms", "overhead_p99_ms")}
+                summary[str(level)][t] = cell
+                ovh = "" if t == "direct" else f"{cell['overhead_p50_ms']:8.2f} {cell['overhead_p99_ms']:8.2f}"
+                print(f"{level:7d} {t:16} {cell['p50_ms']:8.2f} {cell['p99_ms']:8.2f} {ovh}")
+        results["summary"] = summary
+        at = summary.get("32")
+        if at is not None and "vllm-router rr" in at:
+            print("\ngoal at 32 clients: kvrouter overhead p50 <= 2x vllm-router rr's and below vllm-router kv's")
+            rr, kv = at["vllm-router rr"]["overhead_p50_ms"], at["vllm-router kv"]["overhead_p50_ms"]
+            for t in (x for x in names if x.startswith("kvrouter")):
+                o = at[t]["overhead_p50_ms"]
+                ok = o <= 2 * max(rr, 0.0) and o < kv
+                print(f"  {t}: {o:.2f} ms vs rr {rr:.2f} (2x = {2 * rr:.2f}) and kv {kv:.2f} -> {'met' if ok else 'NOT met'}")
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=2))
+    finally:
+        for p in reversed(procs):
+            p.stop()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=8, help="requests per case at concurrency 1 (32 clients send 2x; warm 3x, 32k 1/4)")
     ap.add_argument("--rps-seconds", type=float, default=3.0)
     ap.add_argument("--no-peer", action="store_true", help="skip vllm-router")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
+    ap.add_argument("--sweep", action="store_true", help="only the warm 10-turn concurrency sweep (issue 16)")
+    ap.add_argument("--sweep-repeats", type=int, default=3)
+    ap.add_argument("--levels", type=lambda v: tuple(int(x) for x in v.split(",")), default=SWEEP_LEVELS,
+                    help="concurrency levels of --sweep (default 1,8,32,128)")
     args = ap.parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_router_"))
+    if args.sweep:
+        sweep(args, tmp)
+        return
     procs: list[Proc | VllmRouter] = []
     results: dict[str, Any] = {"latency": [], "rps": {}}
     try:
@@ -308,7 +475,8 @@ def main() -> None:
 
         kvrouter_config([(f"sim-{i}", sim_http + i, sim_ev + i) for i in range(2)], tmp / "sim.yaml")
         kvrouter_config([("null", null_port, None)], tmp / "null.yaml")
-        router, router_url = start_kvrouter(tmp / "sim.yaml", tmp / "router.log")
+        one = 1 if serve_supports_workers() else None  # the one-process router this bench has always measured
+        router, router_url = start_kvrouter(tmp / "sim.yaml", tmp / "router.log", one)
         procs.append(router)
         targets = {"direct": f"http://127.0.0.1:{sim_http}", "kvrouter": router_url}
         have_peer = not args.no_peer and vllm_router_binary() is not None
@@ -369,7 +537,7 @@ def main() -> None:
                         print(f"{case:22} {'stream' if stream else 'whole':7} {conc:4d} {target:16} {p50:8.2f} {p99:8.2f} {ovh}", flush=True)
 
         # Max req/s on short requests, against the null engine.
-        null_router, null_router_url = start_kvrouter(tmp / "null.yaml", tmp / "router-null.log")
+        null_router, null_router_url = start_kvrouter(tmp / "null.yaml", tmp / "router-null.log", one)
         procs.append(null_router)
         rps_targets = {"direct (null engine)": null_port, "kvrouter": int(null_router_url.rsplit(":", 1)[1])}
         if have_peer:
