@@ -173,6 +173,9 @@ class RouterSettings(_Strict):
     breaker_cooldown_s: float = Field(default=5.0, gt=0)
     max_connections_per_backend: int = Field(default=512, ge=1)
     inline_tokenize_bytes: int = Field(default=2048, ge=0)
+    hash_cache_blocks: int = Field(default=500_000, ge=16)
+    """Blocks whose hashes the prefix hash cache keeps per model (router/hash_cache.py),
+    oldest dropped first: ~18 bytes each, ~9 MB at the default."""
     defer_cold_prompts: bool = True
     """Send a prompt whose first block nobody holds before tokenizing all of it; the
     full tokenization finishes in the background (router/cold.py)."""

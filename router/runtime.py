@@ -81,7 +81,7 @@ class Models:
             rt = ModelRuntime(
                 config=m,
                 hasher=hasher,
-                hash_cache=HashCache(hasher),
+                hash_cache=HashCache(hasher, settings.hash_cache_blocks, m.name),
                 policy=make_policy(m.policy or settings.policy, config, m),
                 guard=ParityGuard(m.name, m.tokenizer_mode, m.parity_sample_rate),
                 remote=RemoteTokenizer(m.name),

@@ -44,3 +44,33 @@ def test_cache_is_bounded_and_short_prompts_hash_to_nothing() -> None:
         assert cache.hash_int64(ids) == hasher.hash_blocks_int64(ids)
     assert len(cache) <= 32
     assert cache.hash_int64([1, 2, 3]) == []
+
+
+def test_a_full_cache_stays_within_its_bound_and_its_memory_budget() -> None:
+    """The 1-hour soak's RSS growth was this cache filling toward 500,000 blocks at ~61
+    bytes each (a list of Python ints per chunk). Fed 3x its bound in unique prompts it
+    must hold at most its bound, report it on the gauge, and cost under 24 bytes a block."""
+    import tracemalloc
+
+    from prometheus_client import REGISTRY
+
+    hasher = BlockHasher("sha256", 16, "0", "0.33.0")
+    rng = random.Random(11)
+    tail = [rng.randrange(151_000) for _ in range(16 * 256 - 1)]
+    bound = 16_384
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        cache = HashCache(hasher, max_blocks=bound, model="bound-test")
+        for i in range(3 * bound // 256):
+            ids = [i, *tail]
+            keys = cache.hash_int64(ids)
+            assert len(keys) == 256 and len(cache) <= bound
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert len(cache) == bound
+    assert REGISTRY.get_sample_value("kvrouter_hash_cache_blocks", {"model": "bound-test"}) == bound
+    assert held / bound < 24, f"{held / bound:.1f} bytes per cached block"
+    last = [3 * bound // 256 - 1, *tail]
+    assert cache.hash_int64(last) == hasher.hash_blocks_int64(last)
