@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -104,6 +105,18 @@ class Router:
         self.segment, self.worker, self.replica = segment, worker, replica
         self.loads.share(segment, worker)
         self.pool.share(segment, worker)
+        from router.policies.approx_index import ApproxPrefixIndex
+        from router.shared_prefix import SharedPrefixIndex
+
+        for rt in self.models:
+            # The policy's memory of where it just sent each prefix (kv_aware's speculative
+            # insertion, prefix_approx's tree), replicated between workers.
+            for attr in ("speculative", "tree"):
+                memory = getattr(rt.policy, attr, None)
+                if type(memory) is ApproxPrefixIndex:
+                    shared = SharedPrefixIndex(memory.ttl_s, memory.max_blocks, segment, worker, segment.slot)
+                    shared.learn(rt.backends)
+                    setattr(rt.policy, attr, shared)
 
     async def start(self) -> None:
         await self.models.load_tokenizers(self.executor)
@@ -248,6 +261,10 @@ class Router:
             rt.config = m
             rt.backends = [b.name for b in m.backends]
             rt.has_events = any(b.kv_events for b in m.backends)
+            for attr in ("speculative", "tree"):
+                learn = getattr(getattr(rt.policy, attr, None), "learn", None)
+                if learn is not None:
+                    learn(rt.backends)
             if rt.memory is not None:
                 for name in gone:
                     rt.memory.forget(name)
@@ -303,7 +320,8 @@ class Router:
         worker count, and other replicas' processes with their last published load."""
         out: dict[str, Any] = {}
         if self.segment is not None:
-            out |= {"worker": self.worker, "workers": self.segment.n_workers, "worker_restarts": self.segment.restarts}
+            out |= {"worker": self.worker, "pid": os.getpid(), "workers": self.segment.n_workers,
+                    "worker_restarts": self.segment.restarts}
         if self.replica_load is not None:
             out["replica"] = self.replica
             out["other_replicas"] = self.replica_load.peers

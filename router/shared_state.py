@@ -11,7 +11,9 @@ one) holds flat 64-bit integers:
 - per slot, the *health verdict* (see :class:`SharedHealth`): state, version, ejections,
   and the health leader's heartbeat;
 - per worker and slot, a *load row*: ``in_flight, prefill_tokens, decode_seqs,
-  active_blocks, context_blocks``, written by that worker only.
+  active_blocks, context_blocks``, written by that worker only;
+- per worker, a *decision ring*: the prefixes it sent where (written by that worker,
+  read by the others: :mod:`router.shared_prefix`).
 
 Why no lock on the hot path: every row has exactly one writer (its worker), each field is
 one aligned 8-byte store (atomic on the platforms we run on), and readers only sum. A
@@ -36,7 +38,7 @@ from hashlib import blake2b
 from pathlib import Path
 
 MAGIC = 0x6B76727368617265  # "kvrshare"
-LAYOUT = 1
+LAYOUT = 2
 HEADER_WORDS = 16
 H_MAGIC, H_LAYOUT, H_WORKERS, H_SLOTS, H_RESTARTS = range(5)
 MAX_BACKENDS = 512
@@ -48,6 +50,9 @@ ROW_WORDS = 8
 LOAD_FIELDS = ("in_flight", "prefill_tokens", "decode_seqs", "active_blocks", "context_blocks")
 WORKER_WORDS = 4
 W_PID, W_STARTED_NS, W_LEADER_BEAT_NS = range(3)
+RING_WORDS = 1 << 16
+"""Words of each worker's decision ring (512 KiB): ~10,000 requests of ~6 stored keys,
+far more than any worker sends within a reader's lag."""
 
 UNKNOWN, HEALTHY, EJECTED = 0, 1, 2
 
@@ -67,6 +72,8 @@ class Segment:
         self._fd = fd
         self._mm = mm
         self.words = memoryview(mm).cast("q")
+        self.uwords = memoryview(mm).cast("Q")
+        """The same words unsigned: the decision rings hold unsigned 64-bit block keys."""
         if self.words[H_MAGIC] != MAGIC or self.words[H_LAYOUT] != LAYOUT:
             raise ValueError(f"{path} is not a kvrouter shared segment of layout {LAYOUT}")
         self.n_workers = self.words[H_WORKERS]
@@ -75,10 +82,16 @@ class Segment:
         self._health0 = self._slots0 + self.n_slots
         self._workers0 = self._health0 + self.n_slots * HEALTH_WORDS
         self._rows0 = self._workers0 + self.n_workers * WORKER_WORDS
+        self._rings0 = self._rows0 + self.n_workers * self.n_slots * ROW_WORDS
 
     @staticmethod
     def size_words(n_workers: int, n_slots: int) -> int:
-        return HEADER_WORDS + n_slots + n_slots * HEALTH_WORDS + n_workers * WORKER_WORDS + n_workers * n_slots * ROW_WORDS
+        return (HEADER_WORDS + n_slots + n_slots * HEALTH_WORDS + n_workers * WORKER_WORDS + n_workers * n_slots * ROW_WORDS
+                + n_workers * (1 + RING_WORDS))
+
+    def ring(self, worker: int) -> int:
+        """Where ``worker``'s decision ring starts: its cursor (words ever written), then the ring."""
+        return self._rings0 + worker * (1 + RING_WORDS)
 
     @classmethod
     def create(cls, path: Path, n_workers: int, n_slots: int = MAX_BACKENDS) -> Segment:
@@ -100,6 +113,7 @@ class Segment:
 
     def close(self) -> None:
         self.words.release()
+        self.uwords.release()
         self._mm.close()
         os.close(self._fd)
 

@@ -1,0 +1,330 @@
+"""``kvrouter serve --workers N`` (issue 16): N router processes on one port that decide as one.
+
+Real processes on loopback: the router as ``kvrouter serve --workers 2`` (a supervisor and
+two SO_REUSEPORT workers), simulated engines (``kvrouter sim``) or small loopback engines,
+and a real ``redis-server`` for replicas. Fresh connections land on either worker (the
+kernel hashes each one), so a check that must hold in *every* worker polls with fresh
+connections until each worker has answered (``/debug/backends`` names the worker).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import os
+import random
+import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from support import KVROUTER, QWEN3_DIR, LoopbackEngine, Proc, free_port, wait_for, wait_http
+from test_graceful import SlowStreamEngine, StreamReader, refused_or_503
+
+pytestmark = pytest.mark.slow
+
+MODEL = "qwen3"
+COMMON = {"tokenizer": str(QWEN3_DIR), "block_size": 16, "hash_algo": "sha256", "hash_seed": "0", "vllm_version": "0.33.0"}
+
+
+class Router:
+    """``kvrouter serve --workers N`` on a free port; ready once every worker answers."""
+
+    def __init__(self, config: dict[str, Any], tmp: Path, name: str = "router", workers: int = 2) -> None:
+        self.port = free_port()
+        self.workers = workers
+        self.path = tmp / f"{name}.yaml"
+        self.write(config)
+        args = KVROUTER + ["serve", "--config", str(self.path), "--port", str(self.port), "--log-level", "info",
+                           "--workers", str(workers)]
+        self.proc = Proc(args, tmp / f"{name}.log")
+        wait_http(self.url + "/health", timeout=120, proc=self.proc.popen)
+        if workers > 1:
+            self.each_worker(lambda d: True, "every worker to answer", timeout=60)
+
+    def write(self, config: dict[str, Any]) -> None:
+        self.path.write_text(yaml.safe_dump(config))
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def backends(self) -> dict[str, Any]:
+        """``/debug/backends`` over a fresh connection (so from either worker)."""
+        return httpx.get(self.url + "/debug/backends", timeout=5).json()
+
+    def each_worker(self, check: Callable[[dict[str, Any]], bool], what: str, timeout: float = 20.0) -> dict[int, dict[str, Any]]:
+        """Poll ``/debug/backends`` until the last answer of every worker passes ``check``."""
+        last: dict[int, dict[str, Any]] = {}
+        passed: dict[int, bool] = {}
+
+        def done() -> bool:
+            d = self.backends()
+            w = d.get("worker", 0)
+            last[w] = d
+            passed[w] = check(d)
+            return len(passed) == self.workers and all(passed.values())
+
+        wait_for(done, what, timeout=timeout)
+        return last
+
+    def log(self) -> str:
+        """The whole log: the supervisor's and every worker's lines."""
+        if not self.proc._log.closed:
+            self.proc._log.flush()
+        return self.proc.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        self.proc.stop(grace=15)
+
+
+def model(*backends: dict[str, Any]) -> dict[str, Any]:
+    return {"name": MODEL, **COMMON, "backends": list(backends)}
+
+
+def sim_backend(sim: Any, i: int) -> dict[str, Any]:
+    return {"name": f"sim{i}", "url": sim.http(i), "kv_events": sim.kv(i), "kv_replay": sim.replay(i)}
+
+
+async def prefix_burst(url: str, n: int, seed: int) -> list[str]:
+    """``n`` concurrent completions (each on its own connection) sharing a new 360-token prefix."""
+    prefix = f"system {seed} " + "shared context words go here " * 60
+
+    async def one(i: int) -> str:
+        async with httpx.AsyncClient(timeout=60) as c:
+            r = await c.post(url + "/v1/completions", json={"model": MODEL, "prompt": prefix + f" question {i}?", "max_tokens": 4})
+            assert r.status_code == 200, r.text
+            return r.headers["x-kvrouter-backend"]
+
+    return list(await asyncio.gather(*(one(i) for i in range(n))))
+
+
+def test_a_burst_sharing_a_new_prefix_lands_as_it_does_on_one_worker(sim_fleet: Any, tmp_path: Path) -> None:
+    """One process sends a burst that shares a new prefix after its first request (the
+    engine's events cannot have said where it is yet). Two workers must too: without the
+    shared decision memory each worker sends its share wherever it chose first, and with
+    shared load but not memory the second worker sees the first backend busy and picks the
+    other one, splitting the burst every time."""
+    sim = sim_fleet("--speedup", "4", instances=2)
+    config = {"models": [model(sim_backend(sim, 0), sim_backend(sim, 1))], "router": {"health_interval_s": 0.5}}
+    spreads: dict[int, list[list[int]]] = {}
+    for workers in (1, 2):
+        router = Router(config, tmp_path, f"router{workers}", workers=workers)
+        try:
+            spreads[workers] = []
+            for r in range(4):
+                landed = asyncio.run(prefix_burst(router.url, 8, seed=random.randrange(1 << 30)))
+                spreads[workers].append(sorted(collections.Counter(landed).values()))
+        finally:
+            router.stop()
+    assert spreads[1] == [[8]] * 4, spreads
+    assert spreads[2] == spreads[1], spreads
+
+
+def test_every_worker_weighs_every_workers_requests(tmp_path: Path) -> None:
+    """Streams held open through both workers: whichever worker answers sees them all, in
+    the load the policies read (the rows show that both workers hold some), and a policy
+    that balances requests in flight (least_loaded) balances them over both workers' requests."""
+    with SlowStreamEngine(events=30, gap_s=0.2) as a, SlowStreamEngine(events=30, gap_s=0.2) as b:
+        config = {"models": [model({"name": "a", "url": a.url}, {"name": "b", "url": b.url})],
+                  "router": {"health_interval_s": 0.5, "policy": "least_loaded"}}
+        router = Router(config, tmp_path)
+        try:
+            readers = [StreamReader(router.url) for _ in range(16)]
+            for r in readers:
+                r.start()
+            assert all(r.started.wait(20) for r in readers), router.log()
+
+            def all_seen(d: dict[str, Any]) -> bool:
+                return sum(x["load"]["in_flight"] for x in d["backends"]) == 16
+
+            last = router.each_worker(all_seen, "every worker to count all 16 streams")
+            rows = last[0]["backends"]
+            per_worker = [sum(x["load_by_worker"][w]["in_flight"] for x in rows) for w in range(2)]
+            assert sum(per_worker) == 16 and min(per_worker) > 0, per_worker
+            in_flight = sorted(x["load"]["in_flight"] for x in rows)
+            assert in_flight[1] - in_flight[0] <= 2, f"the streams piled up: {in_flight}"
+            for r in readers:
+                r.join(30)
+            router.each_worker(lambda d: all(x["load"]["in_flight"] == 0 for x in d["backends"]),
+                               "every worker to see the load back at 0")
+        finally:
+            router.stop()
+
+
+def test_sigterm_drains_every_worker_then_exits_0(tmp_path: Path) -> None:
+    with SlowStreamEngine(events=12, gap_s=0.2) as engine:
+        config = {"models": [model({"name": "slow", "url": engine.url})],
+                  "router": {"drain_timeout_s": 10.0, "health_interval_s": 0.5}}
+        router = Router(config, tmp_path)
+        try:
+            readers = [StreamReader(router.url) for _ in range(8)]
+            for r in readers:
+                r.start()
+            assert all(r.started.wait(20) for r in readers), router.log()
+            router.each_worker(lambda d: d["backends"][0]["load_by_worker"][d["worker"]]["in_flight"] > 0,
+                               "a stream on every worker")
+            signalled = time.monotonic()
+            router.proc.popen.send_signal(signal.SIGTERM)
+            wait_for(lambda: refused_or_503(router.url), "the draining workers to refuse new connections", timeout=3)
+            rc = router.proc.popen.wait(25)
+            took = time.monotonic() - signalled
+            for r in readers:
+                r.join(10)
+        finally:
+            router.stop()
+        log = router.log()
+        assert rc == 0, log
+        assert took < 10.0, f"exited {took:.1f}s after SIGTERM, past the drain deadline"
+        for r in readers:
+            assert r.error is None and r.status == 200, (r.error, log)
+            assert r.raw == b"".join(engine.body()), "a stream was cut by the drain"
+        assert log.count("drained in") == 2, log
+
+
+def test_sighup_adds_and_removes_a_backend_in_every_worker(sim_fleet: Any, tmp_path: Path) -> None:
+    sim = sim_fleet(instances=2)
+    first, second = sim_backend(sim, 0), sim_backend(sim, 1)
+    router = Router({"models": [model(first)], "router": {"health_interval_s": 0.5}}, tmp_path)
+
+    def names(d: dict[str, Any]) -> list[str]:
+        return sorted(b["name"] for b in d["backends"])
+
+    try:
+        router.write({"models": [model(first, second)], "router": {"health_interval_s": 0.5}})
+        router.proc.popen.send_signal(signal.SIGHUP)
+        router.each_worker(lambda d: names(d) == ["sim0", "sim1"], "every worker to add sim1")
+        router.write({"models": [model(second)], "router": {"health_interval_s": 0.5}})
+        router.proc.popen.send_signal(signal.SIGHUP)
+        router.each_worker(lambda d: names(d) == ["sim1"], "every worker to remove sim0")
+        for i in range(8):
+            r = httpx.post(router.url + "/v1/completions", json={"model": MODEL, "prompt": f"after the reload {i}", "max_tokens": 2},
+                           timeout=30)
+            assert r.status_code == 200 and r.headers["x-kvrouter-backend"] == "sim1", (r.status_code, r.text)
+        assert router.proc.popen.poll() is None, router.log()
+        assert router.log().count("config reloaded") == 4, router.log()
+    finally:
+        router.stop()
+
+
+class CountingEngine(LoopbackEngine):
+    """Answers completions at once; counts health checks; ``healthy`` says what /health answers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.checks = 0
+        self.healthy = True
+        self._lock = threading.Lock()
+
+    async def _health(self, _: Any) -> Any:
+        from aiohttp import web
+
+        with self._lock:
+            self.checks += 1
+        return web.json_response({}, status=200 if self.healthy else 503)
+
+    def routes(self, app: Any) -> None:
+        app.router.add_post("/v1/completions", self._completions)
+
+    async def _completions(self, request: Any) -> Any:
+        from aiohttp import web
+
+        await request.read()
+        return web.json_response({"id": "c", "object": "text_completion", "choices": [{"index": 0, "text": "ok", "finish_reason": "stop"}],
+                                  "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
+
+
+def test_one_health_decision_per_backend(tmp_path: Path) -> None:
+    """Worker 0 checks, the other follows its verdict: the engine sees one check per
+    interval, not one per worker, and an ejection and a re-admission reach every worker."""
+    with CountingEngine() as a, CountingEngine() as b:
+        config = {"models": [model({"name": "a", "url": a.url}, {"name": "b", "url": b.url})],
+                  "router": {"health_interval_s": 0.5}}
+        router = Router(config, tmp_path)
+        try:
+            before, t0 = a.checks, time.monotonic()
+            time.sleep(4.0)
+            rate = (a.checks - before) / (time.monotonic() - t0)
+            assert 1.0 <= rate <= 3.0, f"{rate:.1f} health checks/s at a 0.5 s interval: expected ~2 (one checker)"
+
+            def health(name: str) -> Callable[[dict[str, Any]], bool | None]:
+                return lambda d: next(x["healthy"] for x in d["backends"] if x["name"] == name)
+
+            a.healthy = False
+            last = router.each_worker(lambda d: health("a")(d) is False, "every worker to eject a", timeout=10)
+            assert {d["backends"][0]["ejections"] for d in last.values()} == {1}, last
+            r = httpx.post(router.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1}, timeout=10)
+            assert r.status_code == 200 and r.headers["x-kvrouter-backend"] == "b"
+            a.healthy = True
+            router.each_worker(lambda d: health("a")(d) is True, "every worker to re-admit a", timeout=10)
+        finally:
+            router.stop()
+
+
+def scrape(url: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=5).text):
+        for s in family.samples:
+            key = s.name + "".join(f",{k}={v}" for k, v in sorted(s.labels.items()))
+            out[key] = s.value
+    return out
+
+
+def test_metrics_sum_every_worker_and_a_dead_worker_is_restarted(tmp_path: Path) -> None:
+    with CountingEngine() as engine:
+        config = {"models": [model({"name": "e", "url": engine.url})], "router": {"health_interval_s": 0.5}}
+        router = Router(config, tmp_path)
+        try:
+            for i in range(40):
+                r = httpx.post(router.url + "/v1/completions", json={"model": MODEL, "prompt": f"count me {i}", "max_tokens": 1},
+                               timeout=10)
+                assert r.status_code == 200
+            key = "kvrouter_requests_total,backend=e,model=qwen3,policy=kv_aware,status=200"
+            for _ in range(6):  # fresh connections: both workers answer some of these scrapes
+                m = scrape(router.url)
+                assert m[key] == 40.0, m.get(key)
+                assert m["kvrouter_workers"] == 2.0 and m["kvrouter_worker_restarts_total"] == 0.0
+
+            victim = router.backends()
+            os.kill(victim["pid"], signal.SIGKILL)
+            router.each_worker(lambda d: d["worker_restarts"] == 1 and (d["worker"] != victim["worker"] or d["pid"] != victim["pid"]),
+                               "the supervisor to restart the killed worker", timeout=60)
+            m = scrape(router.url)
+            assert m[key] == 40.0, "a dead worker's counts left the sum"
+            assert m["kvrouter_worker_restarts_total"] == 1.0
+        finally:
+            router.stop()
+
+
+def test_a_killed_replicas_load_expires_within_the_ttl(redis_url: str, tmp_path: Path) -> None:
+    """Two replicas share load through Redis; SIGKILL the one holding streams: the other
+    counts them while it lives, and none of them once its tickets expire."""
+    with SlowStreamEngine(events=200, gap_s=0.1) as engine:
+        config = {"models": [model({"name": "slow", "url": engine.url})], "index": "memory",
+                  "index_namespace": f"workers-{random.randrange(1 << 30)}",
+                  "router": {"workers": 1, "shared_load": redis_url, "shared_load_interval_s": 0.1,
+                             "shared_load_ttl_s": 1.0, "health_interval_s": 0.5}}
+        a = Router(config, tmp_path, "a", workers=1)
+        b = Router(config, tmp_path, "b", workers=1)
+        try:
+            readers = [StreamReader(a.url) for _ in range(4)]
+            for r in readers:
+                r.start()
+            assert all(r.started.wait(20) for r in readers), a.log()
+            wait_for(lambda: b.backends()["backends"][0]["load"]["in_flight"] == 4, "replica b to count a's streams", timeout=5)
+            a.proc.popen.send_signal(signal.SIGKILL)
+            killed = time.monotonic()
+            wait_for(lambda: b.backends()["backends"][0]["load"]["in_flight"] == 0, "a's load to expire", timeout=5)
+            took = time.monotonic() - killed
+            assert took <= 1.0 + 0.5, f"phantom load for {took:.2f}s after the replica died (TTL 1 s)"
+        finally:
+            a.stop()
+            b.stop()
