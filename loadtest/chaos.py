@@ -83,6 +83,8 @@ class ChaosOptions:
     spec: FleetSpec = field(default_factory=lambda: FleetSpec(backends=4, sim_args=list(DEFAULT_SIM_ARGS)))
     workload: MixedSpec = field(default_factory=chaos_spec)
     quiet: bool = False
+    router_settings: dict[str, Any] = field(default_factory=dict)
+    """Extra ``router:`` settings for every router started (the soak bounds its hash cache)."""
 
 
 DEFAULT_SIM_ARGS = ("--max-num-seqs", "4", "--step-overhead-ms", "100", "--num-blocks", "2048")
@@ -235,7 +237,7 @@ def environment(opt: ChaosOptions, workdir: Path, routers: int, redis: bool, rel
         stack.callback(fleet.stop)
         fleet.start()
         settings = {"host": "127.0.0.1", "policy": "kv_aware", "health_interval_s": opt.health_interval_s,
-                    "request_timeout_s": opt.hang_s * 2}
+                    "request_timeout_s": opt.hang_s * 2, **opt.router_settings}
         model = fleet.model_config()
         relays: dict[str, tuple[TcpRelay, TcpRelay]] = {}
         for b in model["backends"]:
@@ -621,6 +623,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--soak", type=float, default=None, metavar="SECONDS", help="soak run of this many seconds instead")
     p.add_argument("--sample-s", type=float, default=10.0, help="soak sampling interval")
     p.add_argument("--warmup-s", type=float, default=None, help="soak: samples before this are left out of the fits")
+    p.add_argument("--hash-cache-blocks", type=int, default=None,
+                   help="soak: the router's hash_cache_blocks (default 32768, filled within the warm-up; 0: the router's default)")
     p.add_argument("--replicas", action="store_true", help="1 vs 3 routers on a Redis index instead (issue 17 §5)")
     p.add_argument("--max-requests", type=int, default=600, help="--replicas: requests per run")
     p.add_argument("--repeats", type=int, default=3, help="--replicas: interleaved rounds (medians reported)")
@@ -642,6 +646,8 @@ def run(args: argparse.Namespace) -> int:
         soak = SoakOptions(out=out, seconds=args.soak, sample_s=args.sample_s, seed=args.seed, quiet=args.quiet,
                            speedup=args.speedup or 1.0, target_load=args.target_load or 0.8,
                            rate_scale=args.rate_scale, warmup_s=args.warmup_s)
+        if args.hash_cache_blocks is not None:
+            soak.hash_cache_blocks = args.hash_cache_blocks or None
         run_soak(soak)
         return 0
     if args.replicas:

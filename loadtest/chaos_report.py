@@ -97,9 +97,9 @@ def _chaos_png(doc: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def soak_table(doc: dict[str, Any]) -> str:
+def soak_table(doc: dict[str, Any], key: str = "slopes") -> str:
     rows = ["| series | mean | min | max | fitted slope / hour | drift over the fit / mean |", "|---|---|---|---|---|---|"]
-    for name, s in doc["slopes"].items():
+    for name, s in doc[key].items():
         if s["per_hour"] is None:
             rows.append(f"| {name} | - | - | - | - | - |")
             continue
@@ -121,11 +121,28 @@ def write_soak_report(doc: dict[str, Any], out: Path) -> None:
         "",
         soak_table(doc),
         "",
+        *_soak_fill_lines(doc),
         "![soak](soak.png)",
         "",
     ]
     (out / "soak_report.md").write_text("\n".join(lines))
     _soak_png(doc, out / "soak.png")
+
+
+def _soak_fill_lines(doc: dict[str, Any]) -> list[str]:
+    """What the router's bounded hash cache did: filled before the fits (their slopes
+    exclude its growth), after the warm-up (a second table fitted from the fill), or never."""
+    meta = doc["meta"]
+    bound, filled = meta.get("hash_cache_blocks"), meta.get("hash_cache_filled_s")
+    if bound is None:
+        return []
+    if filled is None:
+        return [f"The router's prefix hash cache (bound {bound:,} blocks) never filled: its growth is part of "
+                "the slopes above, a bounded cache filling, not a leak only if it stops at the bound.", ""]
+    line = f"The router's prefix hash cache (`router.hash_cache_blocks` {bound:,}) was full from {filled:.0f} s"
+    if not doc.get("slopes_after_fill"):
+        return [line + ", within the warm-up: the fits see it at its bound.", ""]
+    return [line + ", after the warm-up; fitted from then:", "", soak_table(doc, "slopes_after_fill"), ""]
 
 
 def _soak_png(doc: dict[str, Any], path: Path) -> None:
@@ -143,6 +160,8 @@ def _soak_png(doc: dict[str, Any], path: Path) -> None:
         title = name if s["per_hour"] is None else f"{name} (slope {s['per_hour']:+.3g}/h)"
         ax.set_title(title, fontsize=9)
         ax.axvline(doc["meta"]["warmup_s"], color="grey", linestyle=":", linewidth=0.8)
+        if doc["meta"].get("hash_cache_filled_s") is not None:
+            ax.axvline(doc["meta"]["hash_cache_filled_s"], color="tab:orange", linestyle=":", linewidth=0.8)
     for ax in list(axes.flat)[len(names):]:
         ax.axis("off")
     fig.tight_layout()

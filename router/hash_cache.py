@@ -40,7 +40,6 @@ from array import array
 from typing import Any
 
 import xxhash
-
 from prometheus_client import Gauge
 
 from indexer.hashing import BlockHasher
