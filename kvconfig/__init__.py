@@ -196,6 +196,9 @@ class RouterSettings(_Strict):
     """Router processes serving one port (``kvrouter serve --workers N`` and the
     ``KVROUTER_WORKERS`` variable override it). Default: the cores this process may run
     on. 1 is today's single process; more share load and health (router/workers.py)."""
+    share_worker_state: bool = True
+    """Workers share load, health verdicts and decision memory. ``false`` leaves each worker
+    with only its own requests: the ablation docs/scaling.md measures, never better."""
     shared_load: str = "auto"
     """Where router replicas share their load: a Redis URL, ``auto`` (the index's URL when
     the index is Redis, else nothing) or ``off``."""

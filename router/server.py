@@ -253,6 +253,7 @@ def _join_workers(args: argparse.Namespace, config: Config, router: Router) -> s
 
     segment = Segment.attach(Path(args.shared_dir) / SEGMENT_FILE)
     segment.mark_started(args.worker_index, os.getpid())
-    router.share(segment, args.worker_index, args.replica)
+    if config.router.share_worker_state:
+        router.share(segment, args.worker_index, args.replica)
     return reuseport_socket(config.router.host, config.router.port, listen=True)
 

@@ -1,0 +1,318 @@
+"""What ``kvrouter serve --workers N`` costs and buys: connection spread, per-request cost, the no-sharing ablation.
+
+Three measurements, each a subcommand (run them under ``flock /tmp/kvr-bench.lock``):
+
+``accept``: how evenly the kernel spreads connections over 2 worker processes, with
+  ``SO_REUSEPORT`` (each worker listens on its own socket, what router/workers.py does)
+  and with one listening socket inherited by both (gunicorn's and ``uvicorn --workers``'
+  way). Each worker is a uvloop server that answers each request line after ``--work-us``
+  of CPU; the client opens ``--connections`` connections, ``--concurrency`` at a time,
+  each sending ``--requests`` requests. Prints the busier worker's share of connections
+  per round and the median over ``--rounds``.
+
+``path``: the router's event-loop CPU per request (decide + send, as
+  bench_request_path.py) for one router alone and for the same router as worker 0 of a
+  2-worker shared segment (load rows published on every ticket change, load summed over
+  workers for every candidate, decisions appended to the ring and the other ring
+  replayed). Interleaved rounds, medians, and the ratio shared/alone.
+
+``ablation``: decision quality with and without sharing. A simulated fleet
+  (``kvrouter sim``, 2 engines) behind ``kvrouter serve`` with 1 worker, N workers
+  sharing state, and N workers with ``router.share_worker_state: false`` (each worker
+  sees only its own requests: 1/N of the load and of the decisions). Two bursts, repeated
+  ``--rounds`` times with fresh prompts: 8 concurrent requests sharing a new 360-token
+  prefix (one process sends them all to one backend), and 16 concurrent requests that
+  extend a prefix cached on one engine by a long distinct tail (one process spreads
+  them by load). Prints the split of each burst and the mean max/mean ratio of requests
+  per backend.
+
+    .venv/bin/python benchmarks/bench_workers.py accept [--rounds 5]
+    .venv/bin/python benchmarks/bench_workers.py path [--rounds 5] [--requests 40]
+    .venv/bin/python benchmarks/bench_workers.py ablation [--rounds 5] [--workers 2,4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+REPO = Path(__file__).resolve().parents[1]
+
+# -- accept ------------------------------------------------------------------------------
+
+_SERVER = r"""
+import asyncio, os, socket, sys, time
+import uvloop
+worker, work_us, fd, host, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
+if fd >= 0:
+    sock = socket.socket(fileno=fd)
+else:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(4096)
+reply = f"{worker}\n".encode()
+class P(asyncio.Protocol):
+    def connection_made(self, t): self.t = t
+    def data_received(self, data):
+        for _ in range(data.count(b"\n")):
+            end = time.thread_time() + work_us / 1e6
+            while time.thread_time() < end:
+                pass
+            self.t.write(reply)
+async def main():
+    server = await asyncio.get_running_loop().create_server(P, sock=sock)
+    print("ready", flush=True)
+    await asyncio.Event().wait()
+uvloop.run(main())
+"""
+
+
+async def _drive(port: int, connections: int, concurrency: int, requests: int) -> collections.Counter[int]:
+    got: collections.Counter[int] = collections.Counter()
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one() -> None:
+        async with sem:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            worker = -1
+            for _ in range(requests):
+                writer.write(b"x\n")
+                worker = int(await reader.readline())
+            got[worker] += 1
+            writer.close()
+
+    await asyncio.gather(*(one() for _ in range(connections)))
+    return got
+
+
+def accept_round(mode: str, args: argparse.Namespace) -> float:
+    holder = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    holder.bind(("127.0.0.1", 0))
+    port = holder.getsockname()[1]
+    fd = -1
+    if mode == "shared":
+        holder.listen(4096)
+        fd = holder.fileno()
+        os.set_inheritable(fd, True)
+    procs = [subprocess.Popen([sys.executable, "-c", _SERVER, str(w), str(args.work_us), str(fd), "127.0.0.1", str(port)],
+                              stdout=subprocess.PIPE, pass_fds=(fd,) if fd >= 0 else ()) for w in range(2)]
+    try:
+        for p in procs:
+            assert p.stdout is not None and p.stdout.readline().strip() == b"ready"
+        got = asyncio.run(_drive(port, args.connections, args.concurrency, args.requests))
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+        holder.close()
+    return max(got.values()) / sum(got.values())
+
+
+def accept(args: argparse.Namespace) -> None:
+    shares: dict[str, list[float]] = {"reuseport": [], "shared": []}
+    for r in range(args.rounds):
+        for mode in shares:
+            s = accept_round(mode, args)
+            shares[mode].append(s)
+            print(f"round {r + 1}  {mode:9}  busier worker's share of connections {s:.3f}", flush=True)
+    print(f"\nmedian over {args.rounds} rounds ({args.connections} connections x {args.requests} requests, "
+          f"{args.concurrency} at a time, {args.work_us} us CPU per request):")
+    for mode, v in shares.items():
+        print(f"  {mode:9}  busier worker's share {statistics.median(v):.3f} (min {min(v):.3f}, max {max(v):.3f})")
+
+
+# -- path --------------------------------------------------------------------------------
+
+async def path_round(texts: Any, n: int, shared: bool) -> dict[str, list[float]]:
+    from bench_request_path import CONFIG
+    from bench_router_overhead import cold_bodies, warm_chat, warm_turns
+
+    from router.config import parse_config
+    from router.core import Router
+    from router.shared_state import Segment
+
+    router = Router(parse_config(CONFIG))
+    tmp = tempfile.TemporaryDirectory()
+    segment = None
+    if shared:
+        segment = Segment.create(Path(tmp.name) / "shared", 2)
+        router.share(segment, 0, "bench")
+    await router.models.load_tokenizers(router.executor)
+    path = router.path
+
+    async def one(body: dict[str, Any]) -> float:
+        raw = json.dumps(body).encode()
+        c0 = time.thread_time()
+        decided = await path.decide(body, len(raw), "chat", {}, act=True)
+        response = path.send(decided, "/v1/chat/completions", raw, {}, None, time.perf_counter())
+        spent = time.thread_time() - c0
+        response._first_ticket.release()
+        if response._req.on_done is not None:
+            response._req.on_done()
+        while router.background.queued or router.background.tasks:
+            await asyncio.sleep(0.002)
+        return spent
+
+    seen, history = warm_chat(texts)
+    for _ in range(3):
+        await one(seen)
+    out = {}
+    for case, bodies in (("warm 10-turn 8k+200", warm_turns(texts, history, n)),
+                         ("cold 1k", cold_bodies(texts, 1000, n)), ("cold 4k", cold_bodies(texts, 4000, n))):
+        out[case] = sorted([await one(b) * 1e6 for b in bodies])
+    router.executor.shutdown(wait=False)
+    router.background.shutdown()
+    if segment is not None:
+        segment.close()
+    tmp.cleanup()
+    return out
+
+
+def path(args: argparse.Namespace) -> None:
+    from bench_router_overhead import Texts
+
+    texts = Texts()
+    medians: dict[tuple[str, str], list[float]] = {}
+    for r in range(args.rounds):
+        for mode in ("alone", "shared"):
+            got = asyncio.run(path_round(texts, args.requests, mode == "shared"))
+            for case, us in got.items():
+                medians.setdefault((mode, case), []).append(statistics.median(us))
+                print(f"round {r + 1}  {mode:6} {case:22} median {statistics.median(us):7.0f} us", flush=True)
+    print("\nmedian over rounds (event-loop CPU per request, decide + send):")
+    for case in ("warm 10-turn 8k+200", "cold 1k", "cold 4k"):
+        a, s = statistics.median(medians[("alone", case)]), statistics.median(medians[("shared", case)])
+        print(f"  {case:22} alone {a:6.0f} us  shared {s:6.0f} us  ratio {s / a:.3f}  (+{s - a:.0f} us)")
+
+
+# -- ablation ----------------------------------------------------------------------------
+
+def _free_ports(n: int) -> int:
+    from loadtest.fleet import free_port_run
+
+    return free_port_run(n)
+
+
+def _wait(url: str, proc: subprocess.Popen[bytes], timeout: float = 120.0) -> None:
+    from loadtest.fleet import wait_http
+
+    wait_http(url, timeout=timeout, proc=proc)
+
+
+async def _burst(url: str, prompts: list[str], max_tokens: int) -> list[str]:
+    import httpx
+
+    async def one(p: str) -> str:
+        async with httpx.AsyncClient(timeout=120) as c:
+            r = await c.post(url + "/v1/completions", json={"model": "qwen3", "prompt": p, "max_tokens": max_tokens})
+            r.raise_for_status()
+            return r.headers["x-kvrouter-backend"]
+
+    return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+
+def _max_mean(landed: list[str], backends: int) -> float:
+    counts = collections.Counter(landed)
+    return max(counts.values()) / (len(landed) / backends)
+
+
+def ablation(args: argparse.Namespace) -> None:
+    QWEN3_DIR = REPO / "loadtest" / "data" / "tokenizers" / "qwen3"
+
+    workdir = Path(tempfile.mkdtemp(prefix="bench-workers-"))
+    base = _free_ports(6)
+    sim = subprocess.Popen([sys.executable, "-m", "router.cli", "sim", "--port", str(base), "--model", "qwen3",
+                            "--tokenizer", str(QWEN3_DIR), "--kv-events-port", str(base + 2), "--replay-port", str(base + 4),
+                            "--instances", "2", "--speedup", str(args.speedup)],
+                           stdout=open(workdir / "sim.log", "wb"), stderr=subprocess.STDOUT, cwd=REPO)
+    setups = [("1 worker", 1, True)] + [(f"{n} workers, shared", n, True) for n in args.workers] + \
+             [(f"{n} workers, not shared", n, False) for n in args.workers]
+    results: dict[str, dict[str, list[float]]] = {}
+    try:
+        for i in range(2):
+            _wait(f"http://127.0.0.1:{base + i}/health", sim)
+        backends = [{"name": f"sim{i}", "url": f"http://127.0.0.1:{base + i}", "kv_events": f"tcp://127.0.0.1:{base + 2 + i}",
+                     "kv_replay": f"tcp://127.0.0.1:{base + 4 + i}"} for i in range(2)]
+        rng = random.Random(args.seed)
+        for r in range(args.rounds):
+            for name, n, share in setups:
+                port = _free_ports(1)
+                cfg = {"models": [{"name": "qwen3", "tokenizer": str(QWEN3_DIR), "block_size": 16, "hash_algo": "sha256",
+                                   "hash_seed": "0", "backends": backends}],
+                       "router": {"port": port, "workers": n, "share_worker_state": share, "health_interval_s": 0.5}}
+                path = workdir / f"router-{n}-{share}.yaml"
+                path.write_text(json.dumps(cfg))
+                router = subprocess.Popen([sys.executable, "-m", "router.cli", "serve", "--config", str(path)],
+                                          stdout=open(workdir / f"router-{n}-{share}.log", "ab"), stderr=subprocess.STDOUT,
+                                          cwd=REPO, env={**os.environ, "KVROUTER_WORKERS": ""})
+                url = f"http://127.0.0.1:{port}"
+                try:
+                    _wait(url + "/health", router)
+                    time.sleep(2.0)  # every worker up and following the event streams
+                    out = results.setdefault(name, {"prefix": [], "cached": [], "splits": []})
+                    for b in range(args.bursts):
+                        prefix = f"system {rng.random()} " + "shared context words go here " * 60
+                        landed = asyncio.run(_burst(url, [prefix + f" question {q}?" for q in range(8)], 4))
+                        out["prefix"].append(_max_mean(landed, 2))
+                        out["splits"].append(len(set(landed)))
+                        cached = f"document {rng.random()} " + "a cached system prompt of moderate length " * 40
+                        asyncio.run(_burst(url, [cached + " warm"], 1))
+                        time.sleep(0.5)  # the engine's events say where it is
+                        tails = [cached + " " + " ".join(f"w{rng.randrange(10**6)}" for _ in range(400)) for _ in range(16)]
+                        landed = asyncio.run(_burst(url, tails, 16))
+                        out["cached"].append(_max_mean(landed, 2))
+                    print(f"round {r + 1}  {name:24} prefix bursts split over 2 backends {sum(s == 2 for s in out['splits'][-args.bursts:])}"
+                          f"/{args.bursts}, cached-prefix max/mean {statistics.mean(out['cached'][-args.bursts:]):.2f}", flush=True)
+                finally:
+                    router.terminate()
+                    router.wait(60)
+        print(f"\nover {args.rounds} rounds x {args.bursts} bursts (2 engines, speedup {args.speedup}):")
+        print(f"  {'setup':24} {'8 sharing a new prefix: split':>30} {'max/mean':>9} {'16 on a cached prefix: max/mean':>33}")
+        for name, out in results.items():
+            split = sum(s == 2 for s in out["splits"])
+            print(f"  {name:24} {split:>21}/{len(out['splits'])} bursts {statistics.mean(out['prefix']):9.2f}"
+                  f" {statistics.mean(out['cached']):33.2f}")
+    finally:
+        sim.terminate()
+        sim.wait(30)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    a = sub.add_parser("accept")
+    a.add_argument("--rounds", type=int, default=5)
+    a.add_argument("--connections", type=int, default=400)
+    a.add_argument("--concurrency", type=int, default=32)
+    a.add_argument("--requests", type=int, default=5)
+    a.add_argument("--work-us", type=int, default=200)
+    p = sub.add_parser("path")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--requests", type=int, default=40)
+    b = sub.add_parser("ablation")
+    b.add_argument("--rounds", type=int, default=3)
+    b.add_argument("--bursts", type=int, default=4)
+    b.add_argument("--workers", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4])
+    b.add_argument("--speedup", type=float, default=1.0)
+    b.add_argument("--seed", type=int, default=7)
+    args = ap.parse_args()
+    {"accept": accept, "path": path, "ablation": ablation}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    main()
