@@ -306,8 +306,13 @@ class ProxyResponse(Response):
                 status = 503
                 await self._answer_shutting_down(send)
             elif not self._backend_down:
-                status = 499
-                metrics.child(metrics.CLIENT_DISCONNECTS, backend_name).inc()
+                if self._client_gone and self._events is not None and self._events.complete:
+                    # The client hung up after [DONE] (most do) while the engine's end of the
+                    # response was awaited: it got the whole stream, not a 499.
+                    status, complete = 200, True
+                else:
+                    status = 499
+                    metrics.child(metrics.CLIENT_DISCONNECTS, backend_name).inc()
                 raise
             else:
                 _uncancel()
