@@ -58,33 +58,6 @@ def _start_http(name: str, child: Child, health_url: str, timeout_s: float) -> C
         raise
 
 
-def fixed_port_run(n: int, low: int = 20_000, high: int = 32_000) -> int:
-    """The first of ``n`` consecutive free loopback ports below the ephemeral range.
-
-    A component restarted in place must get its port back. An ephemeral port can be taken
-    meanwhile by any outgoing connection, including a reader reconnecting to the dead port
-    itself (on loopback, a connect from port P to port P with no listener connects to itself),
-    so ports that must survive a restart are picked where the kernel never assigns any."""
-    import random
-
-    rng = random.Random()
-    for _ in range(500):
-        base = rng.randrange(low, high - n)
-        socks = []
-        try:
-            for p in range(base, base + n):
-                sock = socket.socket()
-                socks.append(sock)
-                sock.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-    raise FleetError(f"no run of {n} free ports in {low}..{high}")
-
-
 def process_usage(pid: int) -> tuple[int, int]:
     """(resident bytes, open file descriptors) of a live process, read from ``/proc``."""
     rss = 0
@@ -175,7 +148,7 @@ class ChaosFleet(EngineFleet):
 
     def _place(self) -> None:
         k = self.spec.backends
-        base = fixed_port_run(3 * k)
+        base = free_port_run(3 * k)
         self.procs = [EngineProc(i, self.spec, self.workdir, base + i, base + k + i, base + 2 * k + i) for i in range(k)]
         self.engines = [p.engine for p in self.procs]
 
@@ -226,7 +199,7 @@ class RouterChild(_Restartable):
 
     def __init__(self, name: str, config: dict[str, Any], workdir: Path) -> None:
         self.name = name
-        self.port = fixed_port_run(1)
+        self.port = free_port_run(1)
         # One process per router unless the config asks for workers: chaos reads one
         # router's /debug/index and health timeline.
         self.config = {**config, "router": {"workers": 1, **config["router"], "port": self.port}}
@@ -282,7 +255,7 @@ class RedisChild(_Restartable):
         if exe is None:
             raise FleetError("redis-server is not installed (make redis installs it)")
         self.exe = exe
-        self.port = fixed_port_run(1)
+        self.port = free_port_run(1)
         self.workdir = workdir
         self.child: Child | None = None
         self.starts = 0

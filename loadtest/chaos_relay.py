@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from loadtest.chaos_env import fixed_port_run
+from loadtest.fleet import free_port_run
 
 
 class TcpRelay:
@@ -22,7 +22,7 @@ class TcpRelay:
 
     def __init__(self, target_port: int) -> None:
         self.target_port = target_port
-        self.port = fixed_port_run(1)
+        self.port = free_port_run(1)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"relay-{self.port}", daemon=True)
         self._server: asyncio.Server | None = None

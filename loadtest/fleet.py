@@ -33,27 +33,46 @@ class FleetError(RuntimeError):
     """A child process did not come up (the message holds the tail of its log)."""
 
 
-def free_port_run(n: int, host: str = "127.0.0.1") -> int:
-    """The first of ``n`` consecutive loopback ports that were all free a moment ago."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind((host, 0))
-            base = s.getsockname()[1]
-        if base + n >= 65535:
-            continue
+def ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range for ports it assigns itself (``bind`` to 0, outgoing connections)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def free_port_run(n: int, host: str = "127.0.0.1", low: int = 20_000) -> int:
+    """The first of ``n`` consecutive loopback ports that were all free a moment ago, drawn
+    at random below the ephemeral range.
+
+    A port is picked here and bound later by a child. Ports the kernel assigns (``bind`` to
+    0, the source port of every outgoing connection, including a reader reconnecting to a
+    dead port, which on loopback can connect to itself) come from the ephemeral range, so a
+    pick made there could be taken before the child binds it: concurrent runs and busy
+    clients collided. Below that range only another explicit pick can take it, and random
+    bases make two concurrent runs' picks meet rarely (a child's "address already in use"
+    is then reported as such)."""
+    import random
+
+    high = min(ephemeral_ports()[0], 65535)
+    rng = random.Random()
+    for _ in range(500):
+        base = rng.randrange(low, high - n)
         socks = []
         try:
             for p in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind((host, p))
+                sock = socket.socket()
+                socks.append(sock)
+                sock.bind((host, p))
             return base
         except OSError:
             continue
         finally:
-            for s in socks:
-                s.close()
-    raise FleetError(f"no run of {n} free ports found")
+            for sock in socks:
+                sock.close()
+    raise FleetError(f"no run of {n} free ports in {low}..{high}")
 
 
 class Child:
