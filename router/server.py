@@ -190,7 +190,8 @@ class Server(uvicorn.Server):
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    worker = "" if args.worker_index is None else f"worker {args.worker_index} "
+    logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s %(levelname)s {worker}%(name)s: %(message)s")
     try:
         config = read_config(args)
     except ConfigError as e:

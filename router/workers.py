@@ -107,6 +107,20 @@ def reuseport_socket(host: str, port: int, *, listen: bool) -> socket.socket:
     return sock
 
 
+def _reserve(host: str, port: int) -> socket.socket:
+    """The supervisor's non-listening SO_REUSEPORT socket on the port, after checking that
+    nothing listens there: SO_REUSEPORT would let a second router started on the same port
+    by mistake join the first one's group silently (connections split between two
+    routers). A bind without SO_REUSEPORT fails on a port with any listener, SO_REUSEPORT
+    or not (SO_REUSEADDR only lets it past connections in TIME_WAIT, so a restart works)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind((host, port))
+        port = probe.getsockname()[1]
+    return reuseport_socket(host, port, listen=False)
+
+
 def _ignore_sighup() -> None:
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
@@ -137,7 +151,7 @@ class Supervisor:
             self.segment = Segment.create(rundir / SEGMENT_FILE, self.n)
             settings = self.config.router
             try:
-                holder = reuseport_socket(settings.host, settings.port, listen=False)
+                holder = _reserve(settings.host, settings.port)
             except OSError as e:
                 print(f"cannot bind {settings.host}:{settings.port}: {e}", file=sys.stderr)
                 return 2
