@@ -37,6 +37,8 @@ import time
 from hashlib import blake2b
 from pathlib import Path
 
+import numpy as np
+
 MAGIC = 0x6B76727368617265  # "kvrshare"
 LAYOUT = 2
 HEADER_WORDS = 16
@@ -151,20 +153,10 @@ class Segment:
     def row_base(self, worker: int, slot: int) -> int:
         return self._rows0 + (worker * self.n_slots + slot) * ROW_WORDS
 
-    def others(self, worker: int, slot: int) -> tuple[int, int, int, int, int]:
-        """The load counters of every worker but ``worker`` on ``slot``, summed."""
-        w = self.words
-        a = b = c = d = e = 0
-        for other in range(self.n_workers):
-            if other == worker:
-                continue
-            r = self.row_base(other, slot)
-            a += w[r]
-            b += w[r + 1]
-            c += w[r + 2]
-            d += w[r + 3]
-            e += w[r + 4]
-        return a, b, c, d, e
+    def rows(self) -> np.ndarray:
+        """Every load row as an ``int64`` array ``[worker, slot, field]`` over the mapping (no copy)."""
+        return np.frombuffer(self._mm, dtype=np.int64, count=self.n_workers * self.n_slots * ROW_WORDS,
+                             offset=self._rows0 * 8).reshape(self.n_workers, self.n_slots, ROW_WORDS)
 
     def row(self, worker: int, slot: int) -> tuple[int, ...]:
         r = self.row_base(worker, slot)
