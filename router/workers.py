@@ -7,15 +7,19 @@ dies; the kernel spreads connections over the workers. There is no balancer in f
 **How connections are spread: SO_REUSEPORT.** Each worker opens its own listening socket
 on the port with ``SO_REUSEPORT``, and Linux hashes every new connection to one of the
 listeners. The other common way, one socket bound by the parent and inherited by every
-worker (gunicorn, ``uvicorn --workers``), lets whichever worker's ``accept`` wakes first
-take the connection, and on Linux that favours the busiest, most recently active worker
-(epoll wakes waiters last in, first out). Measured on this 2-core machine with
-``benchmarks/bench_workers.py accept`` (2 workers, 200 keep-alive connections opened
-against an idle router, medians of 5): the connection share of the busier worker was
-0.50-0.53 with SO_REUSEPORT and 0.55-0.95 with one shared socket, varying run to run
-(see docs/scaling.md, "Workers"). The supervisor keeps a bound, non-listening socket on
-the port, which reserves it (port 0 resolves to one port for every worker) without
-receiving connections.
+worker (gunicorn, ``uvicorn --workers``), lets whichever worker's ``accept`` wins the
+wake-up take the connection. Measured on this 2-core machine with
+``benchmarks/bench_workers.py accept`` (2 uvloop workers, 400 connections of 5 requests,
+medians of 5 rounds), both spread evenly: the busier worker took 0.510 of the
+connections with SO_REUSEPORT and 0.540 with one shared socket at 32 connections at a
+time and 200 us of CPU per request, 0.527 and 0.515 at 4 at a time and 50 us. The
+numbers do not decide it; SO_REUSEPORT is kept because each worker has an accept queue
+of its own (no wake-up of every idle worker for each connection, no inherited file
+descriptors to pass), at one known cost: connections still waiting in the queue of a
+worker that dies are reset (a drained worker has closed its socket before exiting, so
+a drain loses none). The supervisor keeps a bound, non-listening socket on the port,
+which reserves it (port 0 resolves to one port for every worker) without receiving
+connections.
 
 **What workers share** (:mod:`router.shared_state`): each backend's load (every worker's
 tickets, so kv_aware weighs every request, not 1/N of them) and one health verdict per
