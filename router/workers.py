@@ -16,8 +16,8 @@ time and 200 us of CPU per request, 0.527 and 0.515 at 4 at a time and 50 us. Th
 numbers do not decide it; SO_REUSEPORT is kept because each worker has an accept queue
 of its own (no wake-up of every idle worker for each connection, no inherited file
 descriptors to pass), at one known cost: connections still waiting in the queue of a
-worker that dies are reset (a drained worker has closed its socket before exiting, so
-a drain loses none). The supervisor keeps a bound, non-listening socket on the port,
+worker that dies or closes its socket are reset instead of going to another worker (on
+SIGTERM every worker closes its socket at once, so new connections are refused either way). The supervisor keeps a bound, non-listening socket on the port,
 which reserves it (port 0 resolves to one port for every worker) without receiving
 connections.
 
