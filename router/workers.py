@@ -229,6 +229,10 @@ class Supervisor:
         self.procs[i] = None
         self.segment.zero_worker(i)  # its requests died with it
         mp.mark_process_dead(p.pid, str(self.rundir / METRICS_DIR))
+        # Its per-process gauges (the event streams' "connected", with a pid label) would
+        # otherwise stay in every scrape as a worker that no longer exists.
+        for stale in (self.rundir / METRICS_DIR).glob(f"gauge_all_{p.pid}.db"):
+            stale.unlink(missing_ok=True)
         if self.stopping is not None:
             # Killed by the forwarded signal itself: it had not installed its handlers, so
             # it was still starting and served nothing.
