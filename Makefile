@@ -4,7 +4,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test fuzz demo install redis vllm bench bench-policies bench-heldout bench-vllm chaos soak replicas clean
+.PHONY: test fuzz demo install redis vllm bench bench-policies bench-heldout bench-vllm chaos soak replicas clean \
+	wrk bench-throughput bench-scale
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -89,6 +90,23 @@ bench-vllm: install vllm
 	$(BIN)/kvrouter bench --fleet vllm --out $(BENCH_OUT)/vllm --workload sharegpt --max-requests 120 \
 	  --max-output-tokens 32 --session-rate 0.5 --think-time 2 --policies round_robin,least_loaded,kv_aware \
 	  --plot-prefix bench_vllm_ --quiet $(PEER)
+
+# Issue 16's scale-out figures (docs/scaling.md). wrk is the load generator the throughput
+# bench needs (a Python client cannot outrun the router); installed with apt-get when absent.
+# Both run under the shared bench lock, so they never overlap another timing benchmark.
+wrk:
+	@command -v wrk >/dev/null 2>&1 || { \
+	  echo "wrk missing: installing it with apt-get"; \
+	  (apt-get update -qq || sudo apt-get update -qq) >/dev/null && \
+	  (DEBIAN_FRONTEND=noninteractive apt-get install -y -qq wrk || \
+	   sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq wrk) >/dev/null; }
+	@command -v wrk
+
+bench-throughput: install wrk
+	flock /tmp/kvr-bench.lock $(BIN)/python benchmarks/bench_throughput.py --repeats $(REPEATS) --json $(BENCH_OUT)/throughput.json
+
+bench-scale: install redis
+	flock /tmp/kvr-bench.lock $(BIN)/python benchmarks/bench_scale.py --json $(BENCH_OUT)/scale.json
 
 clean:
 	rm -rf $(VENV) .venv-vllm *.egg-info
