@@ -116,7 +116,10 @@ class Segment:
     def close(self) -> None:
         self.words.release()
         self.uwords.release()
-        self._mm.close()
+        try:
+            self._mm.close()
+        except BufferError:  # a LoadTracker's array view still maps it: the mapping ends with the process
+            pass
         os.close(self._fd)
 
     def slot(self, name: str) -> int:
