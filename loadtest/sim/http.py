@@ -38,7 +38,16 @@ from starlette.exceptions import HTTPException
 from indexer.hashing import to_int64
 from loadtest.sim.engine import FINISHED, EngineDead, SimRequest
 from loadtest.sim.faults import FaultUpdate
-from loadtest.sim.state import Prompt, PromptHashes, snapshot
+from loadtest.sim.state import (
+    KNOWN_PROMPTS,
+    Prompt,
+    PromptHashes,
+    StateAhead,
+    StateAsk,
+    StateEngine,
+    StatePrompt,
+    snapshot,
+)
 from router.tokenize import TokenizeError
 
 if TYPE_CHECKING:
@@ -55,6 +64,9 @@ class ApiError(Exception):
 
 _ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
 _json = msgspec.json.Encoder()
+_state_decoder = msgspec.json.Decoder(StateAsk)
+"""Typed: the side channel's token-id lists are checked in C, not one Python isinstance per id
+(that check cost more than the forward run on long prompts)."""
 
 
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
@@ -291,18 +303,12 @@ def create_app(inst: Instance) -> FastAPI:
     if inst.settings.debug_state:
         hashes = PromptHashes(inst.hasher)
 
-        def state_prompt(spec: Any) -> Prompt:
-            """``{"request": OpenAI body, "kind": "chat" | "completion", "token_ids": [...]}``: the
-            prompt's ids, else the body's prompt or messages tokenized; sampling fields from the body."""
-            if not isinstance(spec, dict) or not isinstance(spec.get("request"), dict):
-                raise ApiError(400, 'a prompt is {"request": OpenAI body, "kind": ..., "token_ids": [int, ...]}')
-            req = spec["request"]
-            chat = spec.get("kind", "chat" if "messages" in req else "completion") == "chat"
-            ids = spec.get("token_ids")
-            if ids is None:
-                ids = prompts_of(req, chat)[0]
-            elif not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                raise ApiError(400, "token_ids must be a list of integers", "token_ids")
+        def state_prompt(spec: StatePrompt) -> Prompt:
+            """The prompt's ids, else the body's prompt or messages tokenized; sampling fields from
+            the body. Remembered by its ``id`` when it has one (later asks name it in ``ahead``)."""
+            req = spec.request
+            chat = (spec.kind or ("chat" if "messages" in req else "completion")) == "chat"
+            ids = spec.token_ids if spec.token_ids is not None else prompts_of(req, chat)[0]
             if not ids:
                 raise ApiError(400, "empty prompt", "token_ids")
             max_tokens = _int_field(req, "max_completion_tokens", None, 1) if chat else None
@@ -313,7 +319,25 @@ def create_app(inst: Instance) -> FastAPI:
             min_tokens = min(_int_field(req, "min_tokens", 0, 0) or 0, limit)
             n_out = inst.generator.planned_length(ids, limit, min_tokens, _bool_field(req, "ignore_eos", False))
             salt = req.get("cache_salt")
-            return Prompt(len(ids), hashes.of(ids, salt if isinstance(salt, str) else None), n_out)
+            prompt = Prompt(len(ids), hashes.of(ids, salt if isinstance(salt, str) else None), n_out)
+            if spec.id is not None:
+                KNOWN_PROMPTS.remember(spec.id, prompt)
+            return prompt
+
+        def ahead_prompts(ahead: list[StateAhead], received: int) -> list[Prompt]:
+            """The prompts in transit to an engine that has received ``received`` requests. One named
+            by an id this process no longer remembers (it restarted, or the id is too old) is
+            skipped and counted."""
+            out = []
+            for x in ahead:
+                if x.n <= received:
+                    continue
+                prompt = state_prompt(x.prompt) if x.prompt is not None else KNOWN_PROMPTS.get(x.id)
+                if prompt is None:
+                    inst.metrics.state_unknown_ahead.inc()
+                    continue
+                out.append(prompt)
+            return out
 
         @app.get("/debug/state")
         async def state_info() -> dict[str, Any]:
@@ -322,32 +346,28 @@ def create_app(inst: Instance) -> FastAPI:
 
         @app.post("/debug/state")
         async def state(request: Request) -> Response:
-            """``{"prompt": PROMPT, "engines": [{"index": i, "ahead": [{"n": k, "prompt": PROMPT}, ...]}]}``:
-            the state of every listed engine of this process at one instant (``engines`` left out:
-            this one, with a top-level ``ahead``). ``ahead`` are the client's k-th requests to
-            that engine, for those it may not have received yet. Answers ``{"engines": [...]}``
-            in the same order, null for an engine that is down."""
-            body = await _body(request)
-            asks = body.get("engines")
-            if asks is None:
-                asks = [{"index": inst.spec.index, "ahead": body.get("ahead") or []}]
-            if not isinstance(asks, list) or not all(
-                isinstance(a, dict) and isinstance(a.get("index"), int) and isinstance(a.get("ahead", []), list)
-                and all(isinstance(x, dict) and isinstance(x.get("n"), int) for x in a.get("ahead", []))
-                for a in asks
-            ):
-                raise ApiError(400, "engines must be a list of {index, ahead: [{n, prompt}]}", "engines")
+            """:class:`StateAsk`: the state of every listed engine of this process at one instant
+            (``engines`` left out: this one, with the top-level ``ahead``). ``ahead`` are the
+            client's k-th requests to that engine, for those it may not have received yet, each
+            as a prompt or as the ``id`` of a prompt asked about before. Answers
+            ``{"engines": [...]}`` in the same order, null for an engine that is down."""
+            try:
+                ask = _state_decoder.decode(await request.body())
+            except msgspec.ValidationError as e:
+                raise ApiError(400, f"bad side-channel question: {e}") from e
+            except msgspec.DecodeError as e:
+                raise ApiError(400, f"JSON decode error: {e}") from e
             t0 = time.perf_counter()
-            prompt = state_prompt(body.get("prompt"))
+            asks = ask.engines if ask.engines is not None else [StateEngine(inst.spec.index, ask.ahead)]
+            prompt = state_prompt(ask.prompt)
             answers: list[dict[str, Any] | None] = []
             for a in asks:
-                peer = inst.peers.get(a["index"])
+                peer = inst.peers.get(a.index)
                 if peer is None or not peer.up:
                     answers.append(None)
                     continue
                 engine = peer.engine
-                queued = [state_prompt(x.get("prompt")) for x in a.get("ahead", []) if x["n"] > engine.received]
-                answers.append(snapshot(engine, prompt, queued))
+                answers.append(snapshot(engine, prompt, ahead_prompts(a.ahead, engine.received)))
             inst.metrics.state_seconds.observe(time.perf_counter() - t0)
             return Response(_json.encode({"engines": answers}), media_type="application/json")
 

@@ -65,6 +65,9 @@ class EngineMetrics:
         self.state_seconds = hist("kvrouter_sim:debug_state_seconds",
                                   "Wall seconds answering the oracle's side channel (POST /debug/state, --debug-state).",
                                   (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0))
+        self.state_unknown_ahead = counter("kvrouter_sim:debug_state_unknown_ahead_total",
+                                           "In-transit prompts a side-channel question named by an id this process "
+                                           "no longer remembers (skipped).")
 
     def enable_offload(self, cpu_usage: Callable[[], float]) -> None:
         r, labels, values = self.registry, ["model_name", "engine"], self._values

@@ -47,6 +47,8 @@ from dataclasses import dataclass, field
 from itertools import islice
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import msgspec
+
 if TYPE_CHECKING:
     from loadtest.sim.block_manager import Block, BlockPool, CpuOffloadTier
     from loadtest.sim.engine import Engine, SimRequest
@@ -62,6 +64,64 @@ class Prompt:
     prompt_len: int
     hashes: Sequence[bytes]
     output_len: int
+
+
+class StatePrompt(msgspec.Struct, frozen=True):
+    """A prompt in a side-channel question: ``request`` the OpenAI body (its sampling fields;
+    its prompt or messages when ``token_ids`` is left out), ``id`` a name for later questions."""
+
+    request: dict[str, Any]
+    kind: str | None = None
+    token_ids: list[int] | None = None
+    id: int | None = None
+
+
+class StateAhead(msgspec.Struct, frozen=True):
+    """The client's ``n``-th request to an engine: its prompt, or the ``id`` of one asked about before."""
+
+    n: int
+    prompt: StatePrompt | None = None
+    id: int | None = None
+
+
+class StateEngine(msgspec.Struct, frozen=True):
+    index: int
+    ahead: list[StateAhead] = []
+
+
+class StateAsk(msgspec.Struct, frozen=True):
+    """``POST /debug/state``'s body."""
+
+    prompt: StatePrompt
+    engines: list[StateEngine] | None = None
+    ahead: list[StateAhead] = []
+
+
+class KnownPrompts:
+    """Prompts by the id a client gave them, for the last few hundred questions.
+
+    A prompt is asked about once, when it is routed, and then travels in the ``ahead`` list
+    of every question until its engine receives it (up to 16 at once per engine). Naming
+    it by id there instead of sending its ids again keeps each question one prompt long:
+    on 3,000-token prompts the repeats were most of the channel's cost.
+    """
+
+    SIZE = 512
+
+    def __init__(self) -> None:
+        self._prompts: OrderedDict[int, Prompt] = OrderedDict()
+
+    def remember(self, key: int, prompt: Prompt) -> None:
+        self._prompts[key] = prompt
+        if len(self._prompts) > self.SIZE:
+            self._prompts.popitem(last=False)
+
+    def get(self, key: int | None) -> Prompt | None:
+        return None if key is None else self._prompts.get(key)
+
+
+KNOWN_PROMPTS = KnownPrompts()
+"""One per process: the engines of a ``kvrouter sim`` process answer together."""
 
 
 class PromptHashes:

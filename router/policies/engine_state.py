@@ -20,13 +20,15 @@ Requests in transit: the channel counts the requests this router sent to each en
 and keeps the last few prompts; each question carries those the engine may not have
 received yet (it counts what it received; sent within the last second), so two
 decisions a few milliseconds apart see each other, as they do in the router's own load
-accounting.
+accounting. They travel by id: every prompt was the subject of an earlier question to
+the same simulator process, which remembers it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
@@ -100,13 +102,15 @@ class SideChannel:
         self.session: aiohttp.ClientSession | None = None
         self._sent = dict.fromkeys(backends, 0)
         self._received = dict.fromkeys(backends, 0)
-        self._recent: dict[str, deque[tuple[int, float, bytes]]] = {b: deque(maxlen=AHEAD_KEPT) for b in backends}
+        self._recent: dict[str, deque[tuple[int, float, int]]] = {b: deque(maxlen=AHEAD_KEPT) for b in backends}
         self._index: dict[str, int] = {}
         self._groups: list[list[str]] = []
         """Backends by simulator process: each group is asked in one request."""
-        self._prompts: OrderedDict[int, bytes] = OrderedDict()
-        """Each decision's prompt as sent to the engines, by its key, until it is sent (bounded:
-        ``/debug/route`` decides without sending)."""
+        self._prompts: OrderedDict[int, int] = OrderedDict()
+        """Each decision's prompt id (what the engines remember it by), by its key, until it is
+        sent (bounded: ``/debug/route`` decides without sending)."""
+        self._next_id = random.getrandbits(40) << 20
+        """Prompt ids: random high bits, so two clients of one simulator never share one."""
 
     async def start(self, policy: str) -> None:
         """Open the session and check that every backend serves the channel."""
@@ -145,12 +149,14 @@ class SideChannel:
         """Every backend's state for this prompt (None where it could not answer). ``key``
         names the decision for :meth:`sent`; ``token_ids`` may be empty (the engine then
         tokenizes ``body`` itself)."""
+        self._next_id += 1
+        pid = self._next_id
         if token_ids:
             request = {k: v for k, v in body.items() if k not in _PROMPT_FIELDS}
-            prompt = _encoder.encode({"request": request, "kind": kind, "token_ids": token_ids})
+            prompt = _encoder.encode({"request": request, "kind": kind, "token_ids": token_ids, "id": pid})
         else:
-            prompt = _encoder.encode({"request": body, "kind": kind})
-        self._prompts[key] = prompt
+            prompt = _encoder.encode({"request": body, "kind": kind, "id": pid})
+        self._prompts[key] = pid
         if len(self._prompts) > 4 * AHEAD_KEPT:
             self._prompts.popitem(last=False)
         answers = await asyncio.gather(*(self._ask(names, prompt) for names in self._groups))
@@ -161,9 +167,9 @@ class SideChannel:
         if backend not in self._sent:
             return
         self._sent[backend] += 1
-        prompt = self._prompts.get(key)
-        if prompt is not None:
-            self._recent[backend].append((self._sent[backend], time.monotonic(), prompt))
+        pid = self._prompts.pop(key, None)
+        if pid is not None:
+            self._recent[backend].append((self._sent[backend], time.monotonic(), pid))
 
     async def _ask(self, names: list[str], prompt: bytes) -> list[EngineState | None]:
         """One simulator process's engines ``names``, in one request to the first of them."""
@@ -172,7 +178,7 @@ class SideChannel:
         recent_since = time.monotonic() - IN_TRANSIT_S
         for name in names:
             received = self._received[name]
-            ahead = b",".join(b'{"n":%d,"prompt":%b}' % (n, p) for n, t, p in self._recent[name]
+            ahead = b",".join(b'{"n":%d,"id":%d}' % (n, pid) for n, t, pid in self._recent[name]
                               if n > received and t > recent_since)
             engines.append(b'{"index":%d,"ahead":[%b]}' % (self._index[name], ahead))
         payload = b'{"prompt":%b,"engines":[%b]}' % (prompt, b",".join(engines))
