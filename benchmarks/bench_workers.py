@@ -17,14 +17,15 @@ Three measurements, each a subcommand (run them under ``flock /tmp/kvr-bench.loc
   replayed). Interleaved rounds, medians, and the ratio shared/alone.
 
 ``ablation``: decision quality with and without sharing. A simulated fleet
-  (``kvrouter sim``, 2 engines) behind ``kvrouter serve`` with 1 worker, N workers
-  sharing state, and N workers with ``router.share_worker_state: false`` (each worker
-  sees only its own requests: 1/N of the load and of the decisions). Two bursts, repeated
-  ``--rounds`` times with fresh prompts: 8 concurrent requests sharing a new 360-token
-  prefix (one process sends them all to one backend), and 16 concurrent requests that
-  extend a prefix cached on one engine by a long distinct tail (one process spreads
-  them by load). Prints the split of each burst and the mean max/mean ratio of requests
-  per backend.
+  (``kvrouter sim``, ``--engines`` engines) behind ``kvrouter serve`` with 1 worker, N
+  workers sharing state, and N workers with ``router.share_worker_state: false`` (each
+  worker sees only its own requests: 1/N of the load and of the decisions). Three
+  bursts, repeated ``--bursts`` times per round with fresh prompts: 8 concurrent
+  requests sharing a new 360-token prefix (one process sends them all to one backend),
+  16 concurrent requests that extend a prefix cached on one engine by a long distinct
+  tail, and 4 per engine of distinct cold ~800-token prompts (one process spreads both
+  by load). Prints how many prefix bursts were split and the mean max/mean ratio of
+  requests per backend of each burst.
 
     .venv/bin/python benchmarks/bench_workers.py accept [--rounds 5]
     .venv/bin/python benchmarks/bench_workers.py path [--rounds 5] [--requests 40]
@@ -235,19 +236,20 @@ def ablation(args: argparse.Namespace) -> None:
     QWEN3_DIR = REPO / "loadtest" / "data" / "tokenizers" / "qwen3"
 
     workdir = Path(tempfile.mkdtemp(prefix="bench-workers-"))
-    base = _free_ports(6)
+    k = args.engines
+    base = _free_ports(3 * k)
     sim = subprocess.Popen([sys.executable, "-m", "router.cli", "sim", "--port", str(base), "--model", "qwen3",
-                            "--tokenizer", str(QWEN3_DIR), "--kv-events-port", str(base + 2), "--replay-port", str(base + 4),
-                            "--instances", "2", "--speedup", str(args.speedup)],
+                            "--tokenizer", str(QWEN3_DIR), "--kv-events-port", str(base + k), "--replay-port", str(base + 2 * k),
+                            "--instances", str(k), "--speedup", str(args.speedup)],
                            stdout=open(workdir / "sim.log", "wb"), stderr=subprocess.STDOUT, cwd=REPO)
     setups = [("1 worker", 1, True)] + [(f"{n} workers, shared", n, True) for n in args.workers] + \
              [(f"{n} workers, not shared", n, False) for n in args.workers]
     results: dict[str, dict[str, list[float]]] = {}
     try:
-        for i in range(2):
+        for i in range(k):
             _wait(f"http://127.0.0.1:{base + i}/health", sim)
-        backends = [{"name": f"sim{i}", "url": f"http://127.0.0.1:{base + i}", "kv_events": f"tcp://127.0.0.1:{base + 2 + i}",
-                     "kv_replay": f"tcp://127.0.0.1:{base + 4 + i}"} for i in range(2)]
+        backends = [{"name": f"sim{i}", "url": f"http://127.0.0.1:{base + i}", "kv_events": f"tcp://127.0.0.1:{base + k + i}",
+                     "kv_replay": f"tcp://127.0.0.1:{base + 2 * k + i}"} for i in range(k)]
         rng = random.Random(args.seed)
         for r in range(args.rounds):
             for name, n, share in setups:
@@ -264,29 +266,34 @@ def ablation(args: argparse.Namespace) -> None:
                 try:
                     _wait(url + "/health", router)
                     time.sleep(2.0)  # every worker up and following the event streams
-                    out = results.setdefault(name, {"prefix": [], "cached": [], "splits": []})
+                    out = results.setdefault(name, {"prefix": [], "cached": [], "cold": [], "splits": []})
                     for b in range(args.bursts):
                         prefix = f"system {rng.random()} " + "shared context words go here " * 60
                         landed = asyncio.run(_burst(url, [prefix + f" question {q}?" for q in range(8)], 4))
-                        out["prefix"].append(_max_mean(landed, 2))
+                        out["prefix"].append(_max_mean(landed, k))
                         out["splits"].append(len(set(landed)))
                         cached = f"document {rng.random()} " + "a cached system prompt of moderate length " * 40
                         asyncio.run(_burst(url, [cached + " warm"], 1))
                         time.sleep(0.5)  # the engine's events say where it is
                         tails = [cached + " " + " ".join(f"w{rng.randrange(10**6)}" for _ in range(400)) for _ in range(16)]
                         landed = asyncio.run(_burst(url, tails, 16))
-                        out["cached"].append(_max_mean(landed, 2))
-                    print(f"round {r + 1}  {name:24} prefix bursts split over 2 backends {sum(s == 2 for s in out['splits'][-args.bursts:])}"
-                          f"/{args.bursts}, cached-prefix max/mean {statistics.mean(out['cached'][-args.bursts:]):.2f}", flush=True)
+                        out["cached"].append(_max_mean(landed, k))
+                        colds = [" ".join(f"c{rng.randrange(10**6)}" for _ in range(400)) for _ in range(4 * k)]
+                        landed = asyncio.run(_burst(url, colds, 16))
+                        out["cold"].append(_max_mean(landed, k))
+                    print(f"round {r + 1}  {name:24} prefix bursts split {sum(s > 1 for s in out['splits'][-args.bursts:])}"
+                          f"/{args.bursts}, cached-prefix max/mean {statistics.mean(out['cached'][-args.bursts:]):.2f}, "
+                          f"cold max/mean {statistics.mean(out['cold'][-args.bursts:]):.2f}", flush=True)
                 finally:
                     router.terminate()
                     router.wait(60)
-        print(f"\nover {args.rounds} rounds x {args.bursts} bursts (2 engines, speedup {args.speedup}):")
-        print(f"  {'setup':24} {'8 sharing a new prefix: split':>30} {'max/mean':>9} {'16 on a cached prefix: max/mean':>33}")
+        print(f"\nover {args.rounds} rounds x {args.bursts} bursts ({k} engines, speedup {args.speedup}); "
+              "max/mean: requests on the busiest backend over the mean, averaged over bursts")
+        print(f"  {'setup':24} {'8 on a new prefix: split':>25} {'max/mean':>9} {'16 on a cached prefix':>22} {'cold':>6}")
         for name, out in results.items():
-            split = sum(s == 2 for s in out["splits"])
-            print(f"  {name:24} {split:>21}/{len(out['splits'])} bursts {statistics.mean(out['prefix']):9.2f}"
-                  f" {statistics.mean(out['cached']):33.2f}")
+            split = sum(s > 1 for s in out["splits"])
+            print(f"  {name:24} {split:>16}/{len(out['splits'])} bursts {statistics.mean(out['prefix']):9.2f}"
+                  f" {statistics.mean(out['cached']):22.2f} {statistics.mean(out['cold']):6.2f}")
     finally:
         sim.terminate()
         sim.wait(30)
@@ -309,6 +316,7 @@ def main() -> None:
     b.add_argument("--bursts", type=int, default=4)
     b.add_argument("--workers", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4])
     b.add_argument("--speedup", type=float, default=1.0)
+    b.add_argument("--engines", type=int, default=2)
     b.add_argument("--seed", type=int, default=7)
     args = ap.parse_args()
     {"accept": accept, "path": path, "ablation": ablation}[args.cmd](args)
