@@ -247,8 +247,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _join_workers(args: argparse.Namespace, config: Config, router: Router) -> socket.socket:
-    """A worker of ``serve --workers N``: attach the shared segment, listen on the port with
-    SO_REUSEPORT, and drain if the supervisor is gone (nobody would stop this process)."""
+    """A worker of ``serve --workers N``: attach the shared segment and bind the port with
+    SO_REUSEPORT. The socket is not listening yet: uvicorn's server listens on it once the
+    router has started (tokenizers loaded, backends checked), so the kernel sends a
+    starting or restarting worker no connection it could not answer for seconds."""
     from router.shared_state import Segment
     from router.workers import SEGMENT_FILE, reuseport_socket
 
@@ -256,5 +258,5 @@ def _join_workers(args: argparse.Namespace, config: Config, router: Router) -> s
     segment.mark_started(args.worker_index, os.getpid())
     if config.router.share_worker_state:
         router.share(segment, args.worker_index, args.replica)
-    return reuseport_socket(config.router.host, config.router.port, listen=True)
+    return reuseport_socket(config.router.host, config.router.port)
 

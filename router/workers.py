@@ -17,9 +17,11 @@ numbers do not decide it; SO_REUSEPORT is kept because each worker has an accept
 of its own (no wake-up of every idle worker for each connection, no inherited file
 descriptors to pass), at one known cost: connections still waiting in the queue of a
 worker that dies or closes its socket are reset instead of going to another worker (on
-SIGTERM every worker closes its socket at once, so new connections are refused either way). The supervisor keeps a bound, non-listening socket on the port,
-which reserves it (port 0 resolves to one port for every worker) without receiving
-connections.
+SIGTERM every worker closes its socket at once, so new connections are refused either
+way). A worker listens only once its router has started, so a restarting worker is sent
+no connection while it loads its tokenizers. The supervisor keeps a bound, non-listening
+socket on the port, which reserves it (port 0 resolves to one port for every worker)
+without receiving connections.
 
 **What workers share** (:mod:`router.shared_state`): each backend's load (every worker's
 tickets, so kv_aware weighs every request, not 1/N of them) and one health verdict per
@@ -98,15 +100,14 @@ def worker_count(cli: int | None, config: Config) -> int:
     return default_workers()
 
 
-def reuseport_socket(host: str, port: int, *, listen: bool) -> socket.socket:
-    """A TCP socket on ``host:port`` with ``SO_REUSEPORT`` (and listening, for a worker)."""
+def reuseport_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` with ``SO_REUSEPORT``, not listening yet (a
+    worker's server listens on it once started; the supervisor's never does)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, port))
-    if listen:
-        sock.listen(4096)
     sock.set_inheritable(False)
     return sock
 
@@ -122,7 +123,7 @@ def _reserve(host: str, port: int) -> socket.socket:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         probe.bind((host, port))
         port = probe.getsockname()[1]
-    return reuseport_socket(host, port, listen=False)
+    return reuseport_socket(host, port)
 
 
 def _ignore_sighup() -> None:

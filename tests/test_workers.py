@@ -65,7 +65,10 @@ class Router:
         passed: dict[int, bool] = {}
 
         def done() -> bool:
-            d = self.backends()
+            try:
+                d = self.backends()
+            except httpx.TransportError:  # a connection queued on a worker that just died is reset
+                return False
             w = d.get("worker", 0)
             last[w] = d
             passed[w] = check(d)
