@@ -52,6 +52,7 @@ class SharedPrefixIndex(ApproxPrefixIndex):
         self.worker = worker
         self._slot_of = slot_of
         self._names: dict[int, str] = {}
+        self._slots: dict[str, int] = {}
         self._read = [segment.uwords[segment.ring(w)] for w in range(segment.n_workers)]
         """Per worker, how many words of its ring this worker has replayed."""
 
@@ -69,8 +70,10 @@ class SharedPrefixIndex(ApproxPrefixIndex):
         return super().__len__()
 
     def _append(self, stored: list[int], backend: str) -> None:
-        slot = self._slot_of(backend)
-        self._names[slot] = backend
+        slot = self._slots.get(backend)
+        if slot is None:
+            slot = self._slots[backend] = self._slot_of(backend)
+            self._names[slot] = backend
         u = self.segment.uwords
         base = self.segment.ring(self.worker)
         cursor = u[base]
@@ -106,4 +109,5 @@ class SharedPrefixIndex(ApproxPrefixIndex):
 
     def learn(self, names: list[str]) -> None:
         """The backends this worker may see in the rings (its config's, again after a reload)."""
-        self._names = {self._slot_of(n): n for n in names}
+        self._slots = {n: self._slot_of(n) for n in names}
+        self._names = {slot: n for n, slot in self._slots.items()}
