@@ -121,13 +121,18 @@ def test_a_burst_sharing_a_new_prefix_lands_as_it_does_on_one_worker(sim_fleet: 
         router = Router(config, tmp_path, f"router{workers}", workers=workers)
         try:
             spreads[workers] = []
-            for r in range(4):
+            for r in range(6):
                 landed = asyncio.run(prefix_burst(router.url, 8, seed=random.randrange(1 << 30)))
                 spreads[workers].append(sorted(collections.Counter(landed).values()))
         finally:
             router.stop()
-    assert spreads[1] == [[8]] * 4, spreads
-    assert spreads[2] == spreads[1], spreads
+    # Requests that did not follow their burst's majority. One process sends none, but on a
+    # machine loaded by other jobs a request can reach the router after the burst's
+    # speculative entry expired and before the engine's events arrived, in one process as
+    # in two: one such straggler per three bursts is allowed. Without shared memory a third
+    # to a half of the bursts split about evenly (docs/scaling.md), ~8 stragglers in 6.
+    stragglers = {w: sum(min(s) for s in spread if len(s) > 1) for w, spread in spreads.items()}
+    assert stragglers[1] <= 2 and stragglers[2] <= 2, spreads
 
 
 def test_every_worker_weighs_every_workers_requests(tmp_path: Path) -> None:
