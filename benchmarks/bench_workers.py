@@ -148,7 +148,8 @@ async def path_round(texts: Any, n: int, shared: bool) -> dict[str, list[float]]
     from router.shared_state import Segment
 
     router = Router(parse_config(CONFIG))
-    tmp = tempfile.TemporaryDirectory()
+    shm = Path("/dev/shm")
+    tmp = tempfile.TemporaryDirectory(dir=shm if shm.is_dir() else None)  # where the supervisor puts it
     segment = None
     if shared:
         segment = Segment.create(Path(tmp.name) / "shared", 2)
