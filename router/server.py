@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -55,6 +56,13 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SWITCH_INTERVAL_S = 0.0005
+GC_THRESHOLD_0 = 20_000
+"""The cyclic collector's first-generation threshold (Python's default is 700). A request
+frees what it allocates by reference counting, but at 700 the collector still ran about
+every 7 short requests, each pass scanning what the requests in flight hold: 12.6 us of
+GC per short request under wrk, ~5.5% of a worker's CPU (measured with ``gc.callbacks``;
+at 20,000 no collection ran in 32,000 requests). Cyclic garbage waits longer, which the
+router makes little of."""
 CUT_GRACE_S = 5.0
 """After the drain deadline cut what still ran, how long the cut answers get to reach their
 clients before uvicorn cancels whatever is left."""
@@ -214,6 +222,7 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until the router can reload (its default would end the process)
     sys.setswitchinterval(SWITCH_INTERVAL_S)
+    gc.set_threshold(GC_THRESHOLD_0)
     # One prompt per encode call: rayon's pool adds threads (and scheduling) and no speed,
     # and it would run deferred tokenization outside the lowered-priority thread.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
