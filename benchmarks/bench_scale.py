@@ -144,6 +144,16 @@ def stream_totals(url: str, path: str) -> dict[str, int]:
     return out
 
 
+def events_by_type(url: str) -> dict[str, float]:
+    """``kvrouter_kv_events_total`` summed per event type (router or indexer /metrics)."""
+    out: dict[str, float] = {}
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith("kvrouter_kv_events_total{"):
+            kind = line.split('type="', 1)[1].split('"', 1)[0]
+            out[kind] = out.get(kind, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
 def redis_calls(r: redis.Redis) -> dict[str, int]:
     """Calls per command from INFO commandstats, without the INFO calls themselves."""
     stats = r.info("commandstats")
@@ -266,6 +276,64 @@ def memory_per_million(url: str, engines: int, entries: int) -> dict[str, float]
             "redis_bytes_per_million": (after - before) / n * 1e6, "redis_ingest_blocks_per_s": n / redis_ingest_s}
 
 
+FLEETS = ((8, 500), (8, 5000), (50, 500), (50, 5000), (50, 20000), (200, 5000), (200, 20000))
+"""(engines, requests/s) rows of the capacity table in docs/scaling.md."""
+
+
+def capacity(scale: dict[str, Any], throughput: dict[str, Any], *, util: float = 0.7, host_cores: int = 16,
+             blocks_per_engine: int = 32768, redis_util: float = 0.5) -> list[dict[str, Any]]:
+    """Workers, replicas and Redis a fleet needs, from the measured costs (docs/scaling.md, "Capacity model").
+
+    ``util``: the share of a core a worker may use (headroom for bursts); ``host_cores``:
+    workers per replica host; ``blocks_per_engine``: KV blocks an engine holds (GPU; ~32k
+    of 16 tokens for an 8B model on an 80 GB GPU); ``redis_util``: the share of its one
+    core a Redis may use. Costs: the router's CPU per request (bench_throughput, 2 workers:
+    the shared-load and shared-memory work included), the ingest CPU per 1,000 events/s and
+    the idle cost per engine followed, events per request, the Redis-index router's extra CPU
+    per request, Redis' CPU per routed request (its lookups and the writes the request's
+    events cause) and memory per block, all from bench_scale."""
+    rows = throughput["rows"]
+    req_us = (rows.get("kvrouter 2w") or rows["kvrouter 1w"])["router_us_per_req"]
+    ing = scale["ingest"]
+    ev_per_req = ing["router_events"]["events"] / max(ing["requests"], 1)
+    ingest_k = ing["per_process"]["router (memory index)"]["cores_per_1k_events_per_s"]
+    engines_measured = scale["config"]["engines"]
+    idle_per_engine = scale["idle"]["cores"]["router (memory index)"] / engines_measured
+    indexer_k = ing["per_process"]["indexer (Redis)"]["cores_per_1k_events_per_s"]
+    routed = scale["routed_cpu"]
+    redis_extra_us = max(0.0, routed["cpu_us_per_request"]["router (Redis index)"] - routed["memory_router_cpu_us_per_request"])
+    redis_us = routed["cpu_us_per_request"]["redis-server"]
+    mem = scale["memory"]
+    out = []
+    for engines, rps in FLEETS:
+        kev = rps * ev_per_req / 1000
+        per_worker_ingest = kev * ingest_k + engines * idle_per_engine
+        blocks = engines * blocks_per_engine
+        row: dict[str, Any] = {"engines": engines, "rps": rps, "events_per_s": kev * 1000}
+        # memory index: every worker follows every stream (ingest paid once per worker)
+        room = util - per_worker_ingest
+        row["mem_workers"] = -(-rps * req_us / 1e6 // room) if room > 0.05 else None
+        row["mem_index_mib_per_worker"] = blocks * mem["memory_index_bytes_per_million"] / 1e6 / 2**20
+        # Redis index: one indexer ingests, the workers read Redis
+        row["redis_workers"] = -(-rps * (req_us + redis_extra_us) / 1e6 // util)
+        row["replicas"] = -(-row["redis_workers"] // host_cores)
+        row["indexer_cores"] = kev * indexer_k + engines * scale["idle"]["cores"]["indexer (Redis)"] / engines_measured
+        row["redis_cores"] = rps * redis_us / 1e6
+        row["redis_shards_cpu"] = -(-row["redis_cores"] // redis_util)
+        row["redis_gib"] = blocks * mem["redis_bytes_per_million"] / 1e6 / 2**30
+        out.append(row)
+    return out
+
+
+def print_capacity(rows: list[dict[str, Any]]) -> None:
+    print(f"{'engines':>7} {'req/s':>6} {'events/s':>9} | {'mem-index workers':>17} {'MiB/worker':>10} | "
+          f"{'Redis-index workers':>19} {'replicas':>8} {'indexer cores':>13} {'Redis cores':>11} {'Redis GiB':>9}")
+    for r in rows:
+        mw = "-" if r["mem_workers"] is None else f"{r['mem_workers']:.0f}"
+        print(f"{r['engines']:7d} {r['rps']:6d} {r['events_per_s']:9.0f} | {mw:>17} {r['mem_index_mib_per_worker']:10.0f} | "
+              f"{r['redis_workers']:19.0f} {r['replicas']:8.0f} {r['indexer_cores']:13.2f} {r['redis_cores']:11.2f} {r['redis_gib']:9.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--engines", type=int, default=64)
@@ -278,7 +346,13 @@ def main() -> None:
     ap.add_argument("--routed", type=int, default=1500, help="requests routed through the Redis-index router")
     ap.add_argument("--memory-entries", type=int, default=1_000_000, help="(block, engine) entries for the memory figures")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--capacity", nargs=2, type=Path, metavar=("THROUGHPUT_JSON", "SCALE_JSON"), default=None,
+                    help="print the capacity table from bench_throughput's and this bench's --json files, and exit")
     args = ap.parse_args()
+    if args.capacity is not None:
+        tp, sc = (json.loads(p.read_text()) for p in args.capacity)
+        print_capacity(capacity(sc, tp))
+        return
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_scale_"))
     procs: list[Proc] = []
@@ -313,6 +387,7 @@ def main() -> None:
         def snapshot() -> dict[str, Any]:
             return {"t": time.monotonic(), "cpu": {n: cpu_s(p) for n, p in measured.items()},
                     "mem": stream_totals(mem_url, "/debug/backends"), "idx": stream_totals(idx_url, "/debug/streams"),
+                    "types": events_by_type(mem_url),
                     "redis": redis_calls(rserver)}
 
         # 1. idle: what following 64 quiet streams, health checks and load scrapes cost
@@ -333,19 +408,24 @@ def main() -> None:
         time.sleep(1.0)  # the last events reach the subscribers
         d = snapshot()
         span = d["t"] - c["t"]
-        ev = {k: {f: d[k][f] - c[k][f] for f in ("events", "blocks", "batches")} for k in ("mem", "idx")}
+        ev = {k: {f: d[k][f] - c[k][f] for f in ("events", "batches")} for k in ("mem", "idx")}
+        # Every prompt is fresh token ids, so each of its full blocks is stored once (and, the
+        # caches being full, about as many are evicted): blocks stored = requests x full blocks.
+        for k in ev:
+            ev[k]["blocks"] = ok * (args.prompt_tokens // 16)
+        mix = {t: d["types"].get(t, 0.0) - c["types"].get(t, 0.0) for t in d["types"]}
         load_ops = diff(c["redis"], d["redis"])
         ingest: dict[str, Any] = {"requests": ok, "failed": failed, "seconds": span, "requests_per_s": ok / elapsed,
-                                  "router_events": ev["mem"], "indexer_events": ev["idx"], "redis_ops": load_ops}
+                                  "router_events": ev["mem"], "indexer_events": ev["idx"], "event_mix": mix, "redis_ops": load_ops}
         print(f"event load: {ok} requests ({failed} failed) in {elapsed:.1f} s = {ok / elapsed:.0f} req/s; router applied "
-              f"{ev['mem']['events']} events ({ev['mem']['events'] / span:.0f}/s), {ev['mem']['blocks']} blocks "
-              f"({ev['mem']['blocks'] / span:.0f}/s), {ev['mem']['batches']} batches; indexer {ev['idx']['events']} events", flush=True)
+              f"{ev['mem']['events']} events ({ev['mem']['events'] / span:.0f}/s: {mix}) in {ev['mem']['batches']} batches, "
+              f"{ev['mem']['blocks']} blocks stored ({ev['mem']['blocks'] / span:.0f}/s); indexer {ev['idx']['events']} events", flush=True)
         per: dict[str, dict[str, float]] = {}
         for name, key in (("router (memory index)", "mem"), ("indexer (Redis)", "idx"), ("redis-server", "idx")):
             busy = d["cpu"][name] - c["cpu"][name] - idle_cores[name] * span
             events, blocks = ev[key]["events"], ev[key]["blocks"]
             per[name] = {"cpu_s": busy, "cores_per_1k_events_per_s": busy / events * 1e3 if events else float("nan"),
-                         "cores_per_1k_blocks_per_s": busy / blocks * 1e3 if blocks else float("nan")}
+                                  "cores_per_1k_blocks_per_s": busy / blocks * 1e3 if blocks else float("nan")}
         ingest["per_process"] = per
         ingest["redis_ops_per_event"] = sum(load_ops.values()) / max(ev["idx"]["events"], 1)
         ingest["redis_ops_per_batch"] = sum(load_ops.values()) / max(ev["idx"]["batches"], 1)
@@ -353,11 +433,37 @@ def main() -> None:
         print("\ningest CPU (cores busy at 1,000 events/s; = CPU seconds per 1,000 events), idle subtracted:")
         for name, v in per.items():
             print(f"  {name:24} {v['cores_per_1k_events_per_s']:.3f} cores per 1k events/s   "
-                  f"{v['cores_per_1k_blocks_per_s']:.4f} cores per 1k blocks/s")
-        print(f"  events per engine request: {ev['mem']['events'] / max(ok, 1):.2f} ({ev['mem']['blocks'] / max(ok, 1):.1f} blocks)")
+                  f"{v['cores_per_1k_blocks_per_s']:.4f} cores per 1k blocks stored/s")
+        print(f"  events per engine request: {ev['mem']['events'] / max(ok, 1):.2f} (each request stores {args.prompt_tokens // 16} blocks)")
         print(f"  Redis writes: {ingest['redis_ops_per_event']:.2f} ops per event, {ingest['redis_ops_per_batch']:.2f} per batch  {load_ops}")
 
-        # 3. routed through the Redis-index router: round trips per routed request, by sender
+        # 3a. routed through the Redis-index router, unobserved: CPU per routed request of the
+        # router, of the indexer (the events those requests caused) and of redis-server
+        e0 = snapshot()
+        ok_c, failed_c, el_c = asyncio.run(drive([red_url], None, args.routed, min(args.concurrency, 16), args.prompt_tokens, seed=3))
+        time.sleep(1.0)
+        f0 = snapshot()
+        span_c = f0["t"] - e0["t"]
+        cost = {n: (f0["cpu"][n] - e0["cpu"][n] - idle_cores[n] * span_c) / max(ok_c, 1) * 1e6
+                for n in ("router (Redis index)", "indexer (Redis)", "redis-server")}
+        ops_c = diff(e0["redis"], f0["redis"])
+        results["routed_cpu"] = {"requests": ok_c, "failed": failed_c, "seconds": el_c, "requests_per_s": ok_c / el_c,
+                                 "cpu_us_per_request": cost, "commandstats_per_request": sum(ops_c.values()) / max(ok_c, 1)}
+        print(f"\nrouted through the Redis-index router: {ok_c} requests ({failed_c} failed) at {ok_c / el_c:.0f} req/s; CPU per "
+              "routed request: " + ", ".join(f"{n} {v:.0f} us" for n, v in cost.items())
+              + f"; {sum(ops_c.values()) / max(ok_c, 1):.0f} Redis commands (scripts' included) per request")
+
+        # 3a'. the same requests through the memory-index router: what reading Redis adds
+        g0 = snapshot()
+        ok_m, failed_m, el_m = asyncio.run(drive([mem_url], None, args.routed, min(args.concurrency, 16), args.prompt_tokens, seed=4))
+        time.sleep(1.0)
+        g1 = snapshot()
+        mem_us = (g1["cpu"]["router (memory index)"] - g0["cpu"]["router (memory index)"]
+                  - idle_cores["router (memory index)"] * (g1["t"] - g0["t"])) / max(ok_m, 1) * 1e6
+        results["routed_cpu"]["memory_router_cpu_us_per_request"] = mem_us
+        print(f"  the same through the memory-index router: {ok_m} requests ({failed_m} failed), router CPU {mem_us:.0f} us per request")
+
+        # 3b. the same again with MONITOR on: round trips per routed request, by sender
         redis_port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
         monitor = Monitor(redis_url)
         time.sleep(0.5)
@@ -383,7 +489,7 @@ def main() -> None:
              "script_commands_per_request": sent["inside scripts"] / max(ok_r, 1),
              "commandstats": diff(e["redis"], f["redis"])}
         results["routed"] = r
-        print(f"\nrouted through the Redis-index router: {ok_r} requests ({failed_r} failed) in {el_r:.1f} s (MONITOR on)")
+        print(f"  again with MONITOR on: {ok_r} requests ({failed_r} failed) in {el_r:.1f} s")
         print(f"  Redis round trips per routed request: router {r['round_trips_per_request_router']:.2f} {commands['router']}")
         print(f"  + the indexer's, for the events those requests caused: {r['round_trips_per_request_indexer']:.2f} per request "
               f"({sent['indexer'] / max(batches_r, 1):.2f} per event batch) {commands['indexer']}")

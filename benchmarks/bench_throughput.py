@@ -13,8 +13,10 @@ router's per request. The request is a short chat completion (``max_tokens`` 1, 
 streamed) from ``--connections`` keep-alive connections, the same body for every target.
 
 Targets, all in front of the same engine in the same run: ``kvrouter 1w`` (``kvrouter
-serve``, kv_aware, the default one process), ``kvrouter 2w`` (``--workers 2``, when this
-tree's ``serve`` has it), ``vllm-router rr`` (the Rust router, round_robin; tokio uses both
+serve --workers 1``, kv_aware, one backend), ``kvrouter 2w`` (``--workers 2``, when this
+tree's ``serve`` has it), ``kvrouter 1w 64b`` (one worker, the engine configured as 64
+backends: what weighing each backend costs per request, which the capacity model in
+docs/scaling.md needs), ``vllm-router rr`` (the Rust router, round_robin; tokio uses both
 cores). Rounds are interleaved (every target once per round, the order rotated) and each
 figure is the median over ``--repeats`` rounds; ratios are medians of the per-round ratios,
 so a slow spell of this shared machine hits both sides of a ratio alike.
@@ -150,21 +152,21 @@ def serve_supports_workers() -> bool:
     return "--workers" in out
 
 
-def start_kvrouter(engine_port: int, workers: int, tmp: Path, multi: bool) -> tuple[Proc, int]:
+def start_kvrouter(engine_port: int, workers: int, tmp: Path, multi: bool, backends: int = 1) -> tuple[Proc, int]:
     """``kvrouter serve`` over the instant engine; ``--workers`` always given when ``serve`` has
     it (its default is the number of cores, so one process must be asked for)."""
     cfg = {
         "models": [{"name": MODEL, "tokenizer": str(QWEN3_DIR), "block_size": 16, "hash_algo": "sha256", "hash_seed": "0",
-                    "backends": [{"name": "instant", "url": f"http://127.0.0.1:{engine_port}"}]}],
+                    "backends": [{"name": f"instant-{i}", "url": f"http://127.0.0.1:{engine_port}"} for i in range(backends)]}],
         "router": {"policy": "kv_aware"},
     }
-    path = tmp / f"kvrouter-{workers}w.yaml"
+    path = tmp / f"kvrouter-{workers}w-{backends}b.yaml"
     path.write_text(yaml.safe_dump(cfg))
     port = free_port()
     cmd = [*KVROUTER, "serve", "--config", str(path), "--port", str(port), "--log-level", "warning"]
     if multi:
         cmd += ["--workers", str(workers)]
-    proc = Proc(cmd, tmp / f"kvrouter-{workers}w.log")
+    proc = Proc(cmd, tmp / f"kvrouter-{workers}w-{backends}b.log")
     wait_http(f"http://127.0.0.1:{port}/health", timeout=180, proc=proc.popen)
     return proc, port
 
@@ -249,6 +251,9 @@ def main() -> None:
     ap.add_argument("--connections", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1, help="wrk threads (one outruns the router; see its CPU column)")
     ap.add_argument("--workers", default="1,2", help="kvrouter worker counts to measure (2+ needs serve --workers)")
+    ap.add_argument("--many-backends", type=lambda v: [int(x) for x in v.split(",") if x], default=[64],
+                    help="also kvrouter 1w configured with this many backends (all the same engine): the per-backend "
+                         "cost of a decision (default 64; empty to skip)")
     ap.add_argument("--pin-wrk", default=None, metavar="CPUS", help="run wrk under `taskset -c CPUS` (e.g. 1)")
     ap.add_argument("--no-peer", action="store_true", help="leave vllm-router out")
     ap.add_argument("--engine-only", action="store_true", help="measure the candidate engines alone and exit")
@@ -280,6 +285,11 @@ def main() -> None:
             proc, port = start_kvrouter(engine_port, w, tmp, multi)
             procs.append(proc)
             targets[f"kvrouter {w}w"] = (port, proc.popen.pid)
+        for b in (b for b in args.many_backends if b > 1):
+            # what each backend a request is weighed against costs: every name is the same engine
+            proc, port = start_kvrouter(engine_port, 1, tmp, multi, backends=b)
+            procs.append(proc)
+            targets[f"kvrouter 1w {b}b"] = (port, proc.popen.pid)
         if args.no_peer:
             pass
         elif vllm_router_binary() is None:
