@@ -126,8 +126,13 @@ def _reserve(host: str, port: int) -> socket.socket:
     return reuseport_socket(host, port)
 
 
-def _ignore_sighup() -> None:
+def _worker_preexec() -> None:
+    """In the worker before it runs: SIGHUP ignored until its router can reload (a reload
+    forwarded while it starts must not end it; it reads the config file at start anyway),
+    and a process group of its own, so a terminal's Ctrl-C reaches the supervisor alone
+    and each worker gets one SIGINT, forwarded (a second one would cut its drain short)."""
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    os.setpgid(0, 0)
 
 
 class Supervisor:
@@ -198,10 +203,8 @@ class Supervisor:
     def _spawn(self, i: int) -> None:
         env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(self.rundir / METRICS_DIR)}
         self.segment.zero_worker(i)
-        # Born ignoring SIGHUP: a reload forwarded while a worker still starts must not end it
-        # (the default action); it reads the config file at start anyway.
         self.procs[i] = subprocess.Popen(self._command(i), env=env, stdin=subprocess.DEVNULL,
-                                         preexec_fn=_ignore_sighup)
+                                         preexec_fn=_worker_preexec)
         self.started_at[i] = time.monotonic()
         self.restart_at[i] = None
         log.info("worker %d started (pid %d)", i, self.procs[i].pid)  # type: ignore[union-attr]
