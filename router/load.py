@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.shared_state import LOAD_FIELDS
+from router.shared_state import LOAD_FIELDS, ROW_WORDS
 
 if TYPE_CHECKING:
     from router.backends import BackendPool
@@ -145,16 +145,17 @@ class LoadView(_Figures):
     __slots__ = ("name", "in_flight", "prefill_tokens", "decode_seqs", "active_blocks", "context_blocks",
                  "scraped_waiting", "scraped_running", "scraped_kv_usage", "own")
 
-    def __init__(self, own: BackendLoad, others: Sequence[int] | None, remote: Sequence[int] | None) -> None:
+    def __init__(self, own: BackendLoad, others: Sequence[int], at: int, remote: Sequence[int] | None) -> None:
+        """``others[at:at + 5]``: the other workers' counters (a flat list of rows)."""
         self.name = own.name
         self.own = own
-        o = others or _ZERO
+        o = others
         r = remote or _ZERO
-        self.in_flight = own.in_flight + o[0] + r[0]
-        self.prefill_tokens = own.prefill_tokens + o[1] + r[1]
-        self.decode_seqs = own.decode_seqs + o[2] + r[2]
-        self.active_blocks = len(own.block_refs) + o[3] + r[3]
-        self.context_blocks = own.context_blocks + o[4] + r[4]
+        self.in_flight = own.in_flight + o[at] + r[0]
+        self.prefill_tokens = own.prefill_tokens + o[at + 1] + r[1]
+        self.decode_seqs = own.decode_seqs + o[at + 2] + r[2]
+        self.active_blocks = len(own.block_refs) + o[at + 3] + r[3]
+        self.context_blocks = own.context_blocks + o[at + 4] + r[4]
         self.scraped_waiting = own.scraped_waiting
         self.scraped_running = own.scraped_running
         self.scraped_kv_usage = own.scraped_kv_usage
@@ -248,8 +249,9 @@ class LoadTracker:
         """Other replicas' load by backend, summed (set by :class:`router.replica_load.ReplicaLoad`)."""
         self.shared = False
         self._rows: np.ndarray | None = None
-        self._others: list[list[int]] = []
+        self._others: list[int] = []
         self._others_at = -1.0
+        self._used = 0
 
     def share(self, segment: Segment | None, worker: int) -> None:
         """Publish this worker's load into ``segment`` and read the other workers' from it
@@ -269,6 +271,7 @@ class LoadTracker:
         if seg is None:
             return
         slot = self._slots[name] = seg.slot(name)
+        self._used = max(self._used, slot + 1)
         self._others_at = -1.0
         load.words = seg.words
         load.base = seg.row_base(self.worker, slot)
@@ -282,22 +285,30 @@ class LoadTracker:
         own = self.backends[backend]
         if not self.shared:
             return own
-        others = self._other_workers()[self._slots[backend]] if self._rows is not None else None
-        return LoadView(own, others, self.remote.get(backend))
+        if self.segment is None:
+            return LoadView(own, _ZERO, 0, self.remote.get(backend))
+        return LoadView(own, self._other_workers(), self._slots[backend] * ROW_WORDS, self.remote.get(backend))
 
-    def _other_workers(self) -> list[list[int]]:
-        """Every slot's counters summed over the other workers' rows, read at most every
-        :data:`OTHERS_TTL_S`: one vectorised read serves all the candidates of a request
-        (per backend and worker in Python it cost 0.9 us per backend at 2 workers and 2.3 us
-        at 8; this is 2-6 us per request for up to 50 backends). The other workers' changes
-        are seen up to that much later, as they would be had they come a moment later; this
-        worker's own counters are always read live."""
+    def _other_workers(self) -> list[int]:
+        """Every slot's row summed over the other workers, flat (``ROW_WORDS`` per slot), read
+        at most every :data:`OTHERS_TTL_S`: one read serves all the candidates of a request.
+        With 2 workers it is the other worker's rows as they are (one slice copied: 0.3 us);
+        with more, one numpy sum (2-6 us for up to 50 backends, where reading each backend's
+        rows in Python cost 2.3 us per backend at 8 workers). The other workers' changes are
+        seen up to that much later, as if they had come a moment later; this worker's own
+        counters are always read live."""
         now = time.perf_counter()
         if now - self._others_at > OTHERS_TTL_S:
-            rows = self._rows
-            assert rows is not None
-            used = max(self._slots.values(), default=-1) + 1
-            self._others = (rows[:, :used, :5].sum(axis=0) - rows[self.worker, :used, :5]).tolist()
+            seg = self.segment
+            assert seg is not None
+            used = self._used
+            if seg.n_workers == 2:
+                start = seg.row_base(1 - self.worker, 0)
+                self._others = seg.words[start:start + used * ROW_WORDS].tolist()
+            else:
+                rows = self._rows
+                assert rows is not None
+                self._others = (rows[:, :used].sum(axis=0) - rows[self.worker, :used]).ravel().tolist()
             self._others_at = now
         return self._others
 

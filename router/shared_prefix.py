@@ -25,6 +25,7 @@ hints, and the engines' KV events soon say where the blocks really are.
 from __future__ import annotations
 
 import time
+from array import array
 from collections.abc import Callable
 
 from router.policies.approx_index import STRIDE, ApproxPrefixIndex
@@ -78,9 +79,13 @@ class SharedPrefixIndex(ApproxPrefixIndex):
         base = self.segment.ring(self.worker)
         cursor = u[base]
         n = len(stored)
-        u[base + 1 + cursor % RING_WORDS] = (n << 32) | slot
-        for j, k in enumerate(stored, 1):
-            u[base + 1 + (cursor + j) % RING_WORDS] = k
+        at = cursor % RING_WORDS
+        if at + n + 1 <= RING_WORDS:
+            u[base + 1 + at:base + 2 + at + n] = array("Q", [(n << 32) | slot, *stored])
+        else:
+            u[base + 1 + at] = (n << 32) | slot
+            for j, k in enumerate(stored, 1):
+                u[base + 1 + (cursor + j) % RING_WORDS] = k
         u[base] = cursor + n + 1
 
     def catch_up(self) -> None:

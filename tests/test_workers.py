@@ -336,3 +336,38 @@ def test_a_killed_replicas_load_expires_within_the_ttl(redis_url: str, tmp_path:
         finally:
             a.stop()
             b.stop()
+
+
+def test_decision_ring_replays_across_its_end_and_a_reader_a_ring_behind_skips(tmp_path: Path) -> None:
+    """The ring under the shared prefix memory, in one process: records that straddle the
+    ring's end replay whole, and a reader a whole ring behind jumps to the writer instead of
+    replaying overwritten words."""
+    from router.shared_prefix import SharedPrefixIndex
+    from router.shared_state import RING_WORDS, Segment
+
+    seg = Segment.create(tmp_path / "shared", 2)
+    writer = SharedPrefixIndex(60.0, 1_000_000, seg, 0, seg.slot)
+    reader = SharedPrefixIndex(60.0, 1_000_000, seg, 1, seg.slot)
+    for idx in (writer, reader):
+        idx.learn(["a", "b"])
+    import numpy as np
+
+    rng = random.Random(5)
+    keygen = np.random.default_rng(5)
+    chains = [keygen.integers(0, 1 << 63, size=rng.randrange(1, 1600)).tolist() for _ in range(3000)]
+    for i, keys in enumerate(chains):  # twice around the ring, the reader keeping up
+        writer.insert(keys, "ab"[i % 2])
+        if i % 7 == 0:
+            reader.catch_up()
+    assert seg.uwords[seg.ring(0)] > 2 * RING_WORDS
+    for i, keys in enumerate(chains[-200:], len(chains) - 200):
+        assert reader.match(keys) == writer.match(keys) == {"ab"[i % 2]: len(keys)}
+    late = SharedPrefixIndex(60.0, 1_000_000, seg, 1, seg.slot)
+    late.learn(["a", "b"])
+    late._read[0] -= 2 * RING_WORDS  # as if it had stalled while the writer went twice around
+    fresh = [rng.getrandbits(64) for _ in range(40)]
+    writer.insert(fresh, "a")
+    late.catch_up()
+    assert late.match(fresh) == {}, "replayed words the writer had overwritten"
+    writer.insert(fresh, "b")
+    assert late.match(fresh) == {"b": 40}
