@@ -37,6 +37,7 @@ import argparse
 import asyncio
 import gc
 import json
+import math
 import random
 import sys
 import tempfile
@@ -281,57 +282,79 @@ FLEETS = ((8, 500), (8, 5000), (50, 500), (50, 5000), (50, 20000), (200, 5000), 
 
 
 def capacity(scale: dict[str, Any], throughput: dict[str, Any], *, util: float = 0.7, host_cores: int = 16,
-             blocks_per_engine: int = 32768, redis_util: float = 0.5) -> list[dict[str, Any]]:
-    """Workers, replicas and Redis a fleet needs, from the measured costs (docs/scaling.md, "Capacity model").
+             blocks_per_engine: int = 32768, redis_util: float = 0.5,
+             events_per_request: float | None = None) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """Workers, replicas, indexers and Redis a fleet needs, from the measured costs
+    (docs/scaling.md, "Capacity model"): the costs used, and one row per :data:`FLEETS` entry.
 
-    ``util``: the share of a core a worker may use (headroom for bursts); ``host_cores``:
-    workers per replica host; ``blocks_per_engine``: KV blocks an engine holds (GPU; ~32k
-    of 16 tokens for an 8B model on an 80 GB GPU); ``redis_util``: the share of its one
-    core a Redis may use. Costs: the router's CPU per request (bench_throughput, 2 workers:
-    the shared-load and shared-memory work included), the ingest CPU per 1,000 events/s and
-    the idle cost per engine followed, events per request, the Redis-index router's extra CPU
-    per request, Redis' CPU per routed request (its lookups and the writes the request's
-    events cause) and memory per block, all from bench_scale."""
+    ``util``: the share of a core a worker (or an indexer) may use, headroom for bursts;
+    ``host_cores``: workers per replica host; ``blocks_per_engine``: KV blocks an engine
+    holds (~32k of 16 tokens for an 8B model on an 80 GB GPU); ``redis_util``: the share of
+    its one core a Redis may use. A decision weighs every backend of the model, so the
+    router's CPU per request is ``base + E x per_backend`` (bench_throughput: 2 workers, and
+    1 worker at 1 and 64 backends). Ingest (events per request, CPU per 1,000 events/s, the
+    idle cost of following an engine) and Redis (its CPU per lookup and per event written,
+    memory per block) come from bench_scale. ``events_per_request`` replaces the measured
+    figure (fresh 512-token prompts on full caches: every block new, so one BlockStored and
+    ~27 BlockRemoved per request, the worst case) with a workload's own."""
     rows = throughput["rows"]
-    req_us = (rows.get("kvrouter 2w") or rows["kvrouter 1w"])["router_us_per_req"]
+    base = (rows.get("kvrouter 2w") or rows["kvrouter 1w"])["router_us_per_req"]
+    many = next((k for k in rows if k.startswith("kvrouter 1w ") and k.endswith("b")), None)
+    per_backend = ((rows[many]["router_us_per_req"] - rows["kvrouter 1w"]["router_us_per_req"]) / (int(many.split()[-1][:-1]) - 1)
+                   if many else 0.0)
     ing = scale["ingest"]
-    ev_per_req = ing["router_events"]["events"] / max(ing["requests"], 1)
-    ingest_k = ing["per_process"]["router (memory index)"]["cores_per_1k_events_per_s"]
     engines_measured = scale["config"]["engines"]
-    idle_per_engine = scale["idle"]["cores"]["router (memory index)"] / engines_measured
-    indexer_k = ing["per_process"]["indexer (Redis)"]["cores_per_1k_events_per_s"]
+    per = ing["per_process"]
     routed = scale["routed_cpu"]
-    redis_extra_us = max(0.0, routed["cpu_us_per_request"]["router (Redis index)"] - routed["memory_router_cpu_us_per_request"])
-    redis_us = routed["cpu_us_per_request"]["redis-server"]
-    mem = scale["memory"]
+    c = {
+        "router_us_per_request": base, "router_us_per_backend": per_backend,
+        "events_per_request": ing["router_events"]["events"] / max(ing["requests"], 1),
+        "router_ingest_cores_per_1k_events": per["router (memory index)"]["cores_per_1k_events_per_s"],
+        "router_idle_cores_per_engine": scale["idle"]["cores"]["router (memory index)"] / engines_measured,
+        "indexer_cores_per_1k_events": per["indexer (Redis)"]["cores_per_1k_events_per_s"],
+        "indexer_idle_cores_per_engine": scale["idle"]["cores"]["indexer (Redis)"] / engines_measured,
+        "redis_us_per_event": per["redis-server"]["cores_per_1k_events_per_s"] * 1e3,
+        "redis_router_extra_us_per_request": max(0.0, routed["cpu_us_per_request"]["router (Redis index)"]
+                                                 - routed["memory_router_cpu_us_per_request"]),
+        "memory_index_bytes_per_block": scale["memory"]["memory_index_bytes_per_million"] / 1e6,
+        "redis_bytes_per_block": scale["memory"]["redis_bytes_per_million"] / 1e6,
+    }
+    ev_req = c["events_per_request"]
+    # Redis' CPU per routed request = its lookup + the writes of the events the request causes
+    c["redis_lookup_us_per_request"] = max(0.0, routed["cpu_us_per_request"]["redis-server"] - ev_req * c["redis_us_per_event"])
+    if events_per_request is not None:
+        ev_req = c["events_per_request"] = events_per_request
     out = []
     for engines, rps in FLEETS:
-        kev = rps * ev_per_req / 1000
-        per_worker_ingest = kev * ingest_k + engines * idle_per_engine
+        req_us = base + engines * per_backend
+        kev = rps * ev_req / 1000
         blocks = engines * blocks_per_engine
-        row: dict[str, Any] = {"engines": engines, "rps": rps, "events_per_s": kev * 1000}
-        # memory index: every worker follows every stream (ingest paid once per worker)
-        room = util - per_worker_ingest
-        row["mem_workers"] = -(-rps * req_us / 1e6 // room) if room > 0.05 else None
-        row["mem_index_mib_per_worker"] = blocks * mem["memory_index_bytes_per_million"] / 1e6 / 2**20
-        # Redis index: one indexer ingests, the workers read Redis
-        row["redis_workers"] = -(-rps * (req_us + redis_extra_us) / 1e6 // util)
-        row["replicas"] = -(-row["redis_workers"] // host_cores)
-        row["indexer_cores"] = kev * indexer_k + engines * scale["idle"]["cores"]["indexer (Redis)"] / engines_measured
-        row["redis_cores"] = rps * redis_us / 1e6
-        row["redis_shards_cpu"] = -(-row["redis_cores"] // redis_util)
-        row["redis_gib"] = blocks * mem["redis_bytes_per_million"] / 1e6 / 2**30
+        row: dict[str, Any] = {"engines": engines, "rps": rps, "router_us_per_request": req_us, "events_per_s": kev * 1000}
+        # memory index: every worker follows every stream, so ingest is paid once per worker
+        room = util - (kev * c["router_ingest_cores_per_1k_events"] + engines * c["router_idle_cores_per_engine"])
+        row["mem_workers"] = math.ceil(rps * req_us / 1e6 / room) if room > 0.1 else None
+        row["mem_index_mib_per_worker"] = blocks * c["memory_index_bytes_per_block"] / 2**20
+        # Redis index: the indexer ingests once; workers read Redis
+        row["redis_workers"] = math.ceil(rps * (req_us + c["redis_router_extra_us_per_request"]) / 1e6 / util)
+        row["replicas"] = math.ceil(row["redis_workers"] / host_cores)
+        indexer_cores = kev * c["indexer_cores_per_1k_events"] + engines * c["indexer_idle_cores_per_engine"]
+        row["indexers"] = math.ceil(indexer_cores / util)
+        row["redis_cores"] = rps * (c["redis_lookup_us_per_request"] + ev_req * c["redis_us_per_event"]) / 1e6
+        row["redis_shards"] = math.ceil(row["redis_cores"] / redis_util)
+        row["redis_gib"] = blocks * c["redis_bytes_per_block"] / 2**30
         out.append(row)
-    return out
+    return c, out
 
 
-def print_capacity(rows: list[dict[str, Any]]) -> None:
-    print(f"{'engines':>7} {'req/s':>6} {'events/s':>9} | {'mem-index workers':>17} {'MiB/worker':>10} | "
-          f"{'Redis-index workers':>19} {'replicas':>8} {'indexer cores':>13} {'Redis cores':>11} {'Redis GiB':>9}")
+def print_capacity(costs: dict[str, float], rows: list[dict[str, Any]]) -> None:
+    print("costs: " + ", ".join(f"{k} {v:.4g}" for k, v in costs.items()))
+    print(f"{'engines':>7} {'req/s':>6} {'us/req':>6} {'events/s':>9} | {'mem-index workers':>17} {'MiB/worker':>10} | "
+          f"{'Redis-index workers':>19} {'replicas':>8} {'indexers':>8} {'Redis cores':>11} {'shards':>6} {'Redis GiB':>9}")
     for r in rows:
-        mw = "-" if r["mem_workers"] is None else f"{r['mem_workers']:.0f}"
-        print(f"{r['engines']:7d} {r['rps']:6d} {r['events_per_s']:9.0f} | {mw:>17} {r['mem_index_mib_per_worker']:10.0f} | "
-              f"{r['redis_workers']:19.0f} {r['replicas']:8.0f} {r['indexer_cores']:13.2f} {r['redis_cores']:11.2f} {r['redis_gib']:9.2f}")
+        mw = "-" if r["mem_workers"] is None else f"{r['mem_workers']}"
+        print(f"{r['engines']:7d} {r['rps']:6d} {r['router_us_per_request']:6.0f} {r['events_per_s']:9.0f} | {mw:>17} "
+              f"{r['mem_index_mib_per_worker']:10.0f} | {r['redis_workers']:19d} {r['replicas']:8d} {r['indexers']:8d} "
+              f"{r['redis_cores']:11.2f} {r['redis_shards']:6d} {r['redis_gib']:9.2f}")
 
 
 def main() -> None:
@@ -346,12 +369,14 @@ def main() -> None:
     ap.add_argument("--routed", type=int, default=1500, help="requests routed through the Redis-index router")
     ap.add_argument("--memory-entries", type=int, default=1_000_000, help="(block, engine) entries for the memory figures")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--events-per-request", type=float, default=None,
+                    help="with --capacity: a workload's KV events per request instead of the measured worst case")
     ap.add_argument("--capacity", nargs=2, type=Path, metavar=("THROUGHPUT_JSON", "SCALE_JSON"), default=None,
                     help="print the capacity table from bench_throughput's and this bench's --json files, and exit")
     args = ap.parse_args()
     if args.capacity is not None:
         tp, sc = (json.loads(p.read_text()) for p in args.capacity)
-        print_capacity(capacity(sc, tp))
+        print_capacity(*capacity(sc, tp, events_per_request=args.events_per_request))
         return
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_scale_"))
