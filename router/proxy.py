@@ -409,6 +409,10 @@ class ProxyResponse(Response):
                 upstream = await session.request(self._req.method, self._req.path, data=self._req.body, headers=headers)
             except (*_CONNECT_ERRORS, *_NO_BYTE_ERRORS) as e:
                 ticket.release()
+                # Off the backend's in-flight list before reporting: a refused connection
+                # ejects it and aborts its in-flight requests, which must not include this
+                # one (it would be cancelled on its retry, answered "went down" by another backend).
+                self._unwatch()
                 kind = "connect" if isinstance(e, _CONNECT_ERRORS) else "reset"
                 _failed(backend, kind, e, connect_error=kind == "connect")
                 metrics.child(metrics.RETRIES, name, kind).inc()

@@ -275,6 +275,32 @@ def test_one_health_decision_per_backend(tmp_path: Path) -> None:
             router.stop()
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_passive_ejection_by_one_worker_ejects_in_every_worker(workers: int, tmp_path: Path) -> None:
+    """No health check within the test (30 s interval): the engine dies, the first worker
+    whose request is refused ejects it, and the other worker follows that verdict. The
+    refused request itself is retried on the live engine (it used to be aborted with the
+    dead engine's other requests, in one process too, and answered 502 "went down")."""
+    with CountingEngine() as a, CountingEngine() as b:
+        config = {"models": [model({"name": "a", "url": a.url}, {"name": "b", "url": b.url})],
+                  "router": {"health_interval_s": 30.0, "policy": "round_robin"}}
+        router = Router(config, tmp_path, workers=workers)
+        try:
+            a.stop()
+            for i in range(4):  # round robin: one of these is sent to a, refused, retried on b
+                r = httpx.post(router.url + "/v1/completions", json={"model": MODEL, "prompt": f"p{i}", "max_tokens": 1},
+                               timeout=10)
+                assert r.status_code == 200 and r.headers["x-kvrouter-backend"] == "b", r.text
+
+            def a_ejected_once(d: dict[str, Any]) -> bool:
+                entry = next(x for x in d["backends"] if x["name"] == "a")
+                return entry["healthy"] is False and entry["ejections"] == 1
+
+            router.each_worker(a_ejected_once, "every worker to eject a", timeout=5)
+        finally:
+            router.stop()
+
+
 def scrape(url: str) -> dict[str, float]:
     from prometheus_client.parser import text_string_to_metric_families
 
