@@ -251,7 +251,7 @@ class BackendPool:
     def leader(self) -> bool:
         return self.segment is None or self.worker == 0
 
-    def _leader_gone(self) -> bool:
+    def leader_gone(self) -> bool:
         """Whether the leader's heartbeat is older than it would be had it lived on."""
         assert self.segment is not None
         late_ns = int((2 * self.settings.health_interval_s + health_timeout(self.settings.health_interval_s) + 1.0) * 1e9)
@@ -290,7 +290,7 @@ class BackendPool:
                 if b.shared is not None and not b.retired:
                     b.follow()
             now = time.monotonic()
-            if now - checked >= self.settings.health_interval_s and (self.leader or self._leader_gone()):
+            if now - checked >= self.settings.health_interval_s and (self.leader or self.leader_gone()):
                 checked = now
                 await self.check_all()
             await asyncio.sleep(FOLLOW_S)

@@ -327,6 +327,21 @@ class LoadTracker:
         if slot is not None and self.segment is not None:
             self.segment.zero_row(self.worker, slot)
 
+    def publish_scraped(self) -> None:
+        """The engines' gauges this worker scraped, for the other workers (the leader)."""
+        seg = self.segment
+        assert seg is not None
+        for name, load in self.backends.items():
+            seg.set_scraped(self._slots[name], load.scraped_waiting, load.scraped_running, load.scraped_kv_usage,
+                            load.scraped_at)
+
+    def take_scraped(self) -> None:
+        """The engines' gauges as the leader last scraped them."""
+        seg = self.segment
+        assert seg is not None
+        for name, load in self.backends.items():
+            load.scraped_waiting, load.scraped_running, load.scraped_kv_usage, load.scraped_at = seg.scraped(self._slots[name])
+
     def worker_rows(self, backend: str) -> list[dict[str, int]] | None:
         """Each worker's published counters for ``backend`` (``/debug/backends``), or None unshared."""
         seg = self.segment
@@ -379,10 +394,21 @@ def parse_vllm_metrics(text: str) -> dict[str, float]:
 
 async def scrape_forever(pool: BackendPool, tracker: LoadTracker, interval_s: float) -> None:
     """Every ``interval_s``, read each backend's gauges; a failed scrape clears them
-    (stale numbers would keep steering traffic by a picture that is gone)."""
+    (stale numbers would keep steering traffic by a picture that is gone).
+
+    Workers sharing a segment scrape once for all: the health leader (worker 0) scrapes and
+    publishes what it read, the others copy it every quarter interval (an engine's page
+    costs the router milliseconds to parse, N times over otherwise), and scrape for
+    themselves while the leader is gone."""
     while True:
         started = time.monotonic()
+        if tracker.segment is not None and not pool.leader and not pool.leader_gone():
+            tracker.take_scraped()
+            await asyncio.sleep(interval_s / 4)
+            continue
         await asyncio.gather(*(_scrape_one(pool, tracker, name) for name in tracker.backends))
+        if tracker.segment is not None:
+            tracker.publish_scraped()
         await asyncio.sleep(max(0.0, interval_s - (time.monotonic() - started)))
 
 

@@ -8,8 +8,8 @@ one) holds flat 64-bit integers:
   of the supervisor, so a config reload that adds or removes backends never moves another
   backend's numbers. Slots are claimed under an ``flock`` on the file (start and reload
   only, never per request);
-- per slot, the *health verdict* (see :class:`SharedHealth`): state, version, ejections,
-  and the health leader's heartbeat;
+- per slot, the *health verdict* (state, version, ejections, whether the connection was
+  refused) and the engine's scraped queue gauges, both from the leader (worker 0);
 - per worker and slot, a *load row*: ``in_flight, prefill_tokens, decode_seqs,
   active_blocks, context_blocks``, written by that worker only;
 - per worker, a *decision ring*: the prefixes it sent where (written by that worker,
@@ -40,13 +40,17 @@ from pathlib import Path
 import numpy as np
 
 MAGIC = 0x6B76727368617265  # "kvrshare"
-LAYOUT = 2
+LAYOUT = 3
 HEADER_WORDS = 16
 H_MAGIC, H_LAYOUT, H_WORKERS, H_SLOTS, H_RESTARTS = range(5)
 MAX_BACKENDS = 512
 """Slots: backends ever configured over the supervisor's life (reloads included)."""
-HEALTH_WORDS = 4
-V_STATE, V_VERSION, V_EJECTIONS, V_REFUSED = range(HEALTH_WORDS)
+HEALTH_WORDS = 8
+V_STATE, V_VERSION, V_EJECTIONS, V_REFUSED, V_WAITING, V_RUNNING, V_USAGE, V_SCRAPED_MS = range(HEALTH_WORDS)
+"""Per slot: the health verdict, then the leader's last scrape of the engine's gauges
+(fixed point: waiting and running in thousandths, KV usage in millionths; -1 when the
+scrape had no value; the time in ms, 0 when the last scrape failed)."""
+_NONE = -1
 ROW_WORDS = 8
 """A load row is 5 counters padded to 64 bytes, one cache line."""
 LOAD_FIELDS = ("in_flight", "prefill_tokens", "decode_seqs", "active_blocks", "context_blocks")
@@ -196,6 +200,24 @@ class Segment:
         w[h + V_REFUSED] = int(refused)
         w[h + V_STATE] = state
         w[h + V_VERSION] += 1
+
+    # the leader's scrapes of each engine's gauges
+    def set_scraped(self, slot: int, waiting: float | None, running: float | None, usage: float | None,
+                    at: float | None) -> None:
+        h = self._health(slot)
+        w = self.words
+        w[h + V_WAITING] = _NONE if waiting is None else round(waiting * 1000)
+        w[h + V_RUNNING] = _NONE if running is None else round(running * 1000)
+        w[h + V_USAGE] = _NONE if usage is None else round(usage * 1e6)
+        w[h + V_SCRAPED_MS] = 0 if at is None else round(at * 1000)
+
+    def scraped(self, slot: int) -> tuple[float | None, float | None, float | None, float | None]:
+        """``(waiting, running, kv_usage, scraped_at)`` as the leader last published them."""
+        h = self._health(slot)
+        w = self.words
+        waiting, running, usage, at = w[h + V_WAITING], w[h + V_RUNNING], w[h + V_USAGE], w[h + V_SCRAPED_MS]
+        return (None if waiting == _NONE else waiting / 1000, None if running == _NONE else running / 1000,
+                None if usage == _NONE else usage / 1e6, at / 1000 if at else None)
 
     # workers and the supervisor
     def _worker(self, worker: int) -> int:

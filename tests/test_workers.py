@@ -222,13 +222,23 @@ def test_sighup_adds_and_removes_a_backend_in_every_worker(sim_fleet: Any, tmp_p
 
 
 class CountingEngine(LoopbackEngine):
-    """Answers completions at once; counts health checks; ``healthy`` says what /health answers."""
+    """Answers completions at once; counts health checks and /metrics scrapes; ``healthy``
+    says what /health answers; /metrics reports 3 requests waiting."""
 
     def __init__(self) -> None:
         super().__init__()
         self.checks = 0
+        self.scrapes = 0
         self.healthy = True
         self._lock = threading.Lock()
+
+    async def _metrics(self, _: Any) -> Any:
+        from aiohttp import web
+
+        with self._lock:
+            self.scrapes += 1
+        return web.Response(text="# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting 3\n"
+                                 "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 1\n")
 
     async def _health(self, _: Any) -> Any:
         from aiohttp import web
@@ -239,6 +249,7 @@ class CountingEngine(LoopbackEngine):
 
     def routes(self, app: Any) -> None:
         app.router.add_post("/v1/completions", self._completions)
+        app.router.add_get("/metrics", self._metrics)
 
     async def _completions(self, request: Any) -> Any:
         from aiohttp import web
@@ -250,16 +261,22 @@ class CountingEngine(LoopbackEngine):
 
 def test_one_health_decision_per_backend(tmp_path: Path) -> None:
     """Worker 0 checks, the other follows its verdict: the engine sees one check per
-    interval, not one per worker, and an ejection and a re-admission reach every worker."""
+    interval, not one per worker, and an ejection and a re-admission reach every worker.
+    The engines' /metrics are scraped once per interval too, and every worker sees them."""
     with CountingEngine() as a, CountingEngine() as b:
         config = {"models": [model({"name": "a", "url": a.url}, {"name": "b", "url": b.url})],
-                  "router": {"health_interval_s": 0.5}}
+                  "router": {"health_interval_s": 0.5, "metrics_scrape_interval_s": 0.5}}
         router = Router(config, tmp_path)
         try:
-            before, t0 = a.checks, time.monotonic()
+            before, scraped, t0 = a.checks, a.scrapes, time.monotonic()
             time.sleep(4.0)
-            rate = (a.checks - before) / (time.monotonic() - t0)
+            took = time.monotonic() - t0
+            rate = (a.checks - before) / took
             assert 1.0 <= rate <= 3.0, f"{rate:.1f} health checks/s at a 0.5 s interval: expected ~2 (one checker)"
+            rate = (a.scrapes - scraped) / took
+            assert 1.0 <= rate <= 3.0, f"{rate:.1f} scrapes/s at a 0.5 s interval: expected ~2 (one scraper)"
+            router.each_worker(lambda d: all(x["load"]["scraped_waiting"] == 3.0 and x["load"]["scraped_running"] == 1.0
+                                             for x in d["backends"]), "every worker to see the scraped gauges")
 
             def health(name: str) -> Callable[[dict[str, Any]], bool | None]:
                 return lambda d: next(x["healthy"] for x in d["backends"] if x["name"] == name)
