@@ -122,6 +122,7 @@ def write_soak_report(doc: dict[str, Any], out: Path) -> None:
         soak_table(doc),
         "",
         *_soak_fill_lines(doc),
+        *_soak_step_lines(doc),
         "![soak](soak.png)",
         "",
     ]
@@ -145,6 +146,24 @@ def _soak_fill_lines(doc: dict[str, Any]) -> list[str]:
     return [line + ", after the warm-up; fitted from then:", "", soak_table(doc, "slopes_after_fill"), ""]
 
 
+def _soak_step_lines(doc: dict[str, Any]) -> list[str]:
+    """RSS fitted between its steps (loadtest/chaos_soak.rss_steps), and each step."""
+    st = doc.get("rss_steps")
+    if not st:
+        return []
+    within = "-" if st["per_hour_within_segments"] is None else f"{st['per_hour_within_segments']:+.3g} MB/hour"
+    if not st["steps"]:
+        return [f"Router RSS never rose by {st['step_mb']:.0f} MB or more between two samples: the slope above is "
+                f"its trend (fitted between steps it is the same, {within}).", ""]
+    lines = [f"Router RSS rose in {len(st['steps'])} step(s) of {st['step_mb']:.0f} MB or more between two samples "
+             f"(+{st['steps_total_mb']:.1f} MB in all); fitted between them, one line per segment with a common "
+             f"slope, it grows {within}:", ""]
+    lines += [f"- +{x['mb']:.1f} MB at {x['t']:.0f} s"
+              + ("" if x.get("ejections") is None else f" ({x['ejections']:.0f} backend ejections counted by then)")
+              for x in st["steps"]]
+    return [*lines, ""]
+
+
 def _soak_png(doc: dict[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -162,6 +181,8 @@ def _soak_png(doc: dict[str, Any], path: Path) -> None:
         ax.axvline(doc["meta"]["warmup_s"], color="grey", linestyle=":", linewidth=0.8)
         if doc["meta"].get("hash_cache_filled_s") is not None:
             ax.axvline(doc["meta"]["hash_cache_filled_s"], color="tab:orange", linestyle=":", linewidth=0.8)
+        for step in (doc.get("rss_steps") or {}).get("steps", []):
+            ax.axvline(step["t"], color="tab:red", linestyle="--", linewidth=0.6)
     for ax in list(axes.flat)[len(names):]:
         ax.axis("off")
     fig.tight_layout()

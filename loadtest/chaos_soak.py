@@ -20,6 +20,15 @@ within the warm-up: the hour then shows the plateau, and the bytes per block (he
 default bound's cost, ~9 MB) are measured by tests/test_router_hash_cache.py. When the cache
 fills only after the warm-up, the slopes are also fitted from the sample where it is
 full (``slopes_after_fill``), and both are printed.
+
+A burst (an engine ejected and its index entries purged and replayed, requests piling up
+while the shared machine stalls) raises resident memory in one step: the allocator keeps
+pages it got for the burst's peak. A least-squares line through such a step reads as a
+trend. So the router's RSS is also fitted *between* steps (:func:`rss_steps`: a rise of
+at least :data:`STEP_MB` from one sample to the next): the within-segment slope, one line
+per segment with a common slope, is the leak figure, and every step is listed with its
+size and time next to the ejections counted by then. A leak cannot hide in steps: it
+would have to come in jumps of ``STEP_MB`` each, and the steps' total is printed too.
 """
 
 from __future__ import annotations
@@ -40,17 +49,21 @@ from loadtest.replay import percentiles
 from loadtest.workloads import MixedSpec
 
 SERIES = ("rss_mb", "open_fds", "index_entries", "hash_cache_blocks", "load_tickets", "background_jobs",
-          "background_tasks", "asyncio_tasks", "latency_p99_s", "ttft_p99_s")
+          "background_tasks", "asyncio_tasks", "latency_p99_s", "ttft_p99_s", "ejections")
 SOAK_SIM_ARGS = ("--max-num-seqs", "4", "--step-overhead-ms", "200", "--num-blocks", "2048")
 """Half the chaos engines' speed (200 ms steps): an hour at 80% load costs the shared cores
 about half as much, and caches still fill and evict within the warm-up."""
 RUNTIME_METRICS = {"kvrouter_background_jobs": "background_jobs", "kvrouter_background_tasks": "background_tasks",
-                   "kvrouter_asyncio_tasks": "asyncio_tasks", "kvrouter_hash_cache_blocks": "hash_cache_blocks"}
+                   "kvrouter_asyncio_tasks": "asyncio_tasks", "kvrouter_hash_cache_blocks": "hash_cache_blocks",
+                   "kvrouter_backend_ejections": "ejections"}
 """Series read from ``/metrics``; a labelled one (per model) is summed over its labels."""
 SOAK_HASH_CACHE_BLOCKS = 32_768
 """The soak router's ``hash_cache_blocks``: full after ~5 minutes of soak traffic."""
 ROUTER_DEFAULT_HASH_CACHE_BLOCKS = 500_000
 """``router.hash_cache_blocks``' default (kvconfig), what ``hash_cache_blocks=None`` runs."""
+STEP_MB = 4.0
+"""An RSS rise between two samples (10 s) at least this big is a step, not a trend: the
++21 MB/hour the hash cache's fill used to cost was 0.06 MB per sample."""
 
 
 @dataclass(slots=True)
@@ -114,6 +127,42 @@ def slopes(samples: list[dict[str, Any]], warmup_s: float) -> dict[str, dict[str
                      "drift_share": (slope * span / mean) if mean else None, "points": len(pts),
                      "min": min(ys), "max": max(ys)}
     return out
+
+
+def rss_steps(samples: list[dict[str, Any]], from_s: float, step_mb: float = STEP_MB) -> dict[str, Any]:
+    """RSS after ``from_s`` split at every rise of ``step_mb`` or more between consecutive
+    samples: the steps (time, size, ejections counted by then) and the slope per hour of
+    one line per segment with a common slope (each segment centred on its own means)."""
+    kept = [s for s in samples if s["t"] >= from_s and s.get("rss_mb") is not None]
+    segments: list[list[dict[str, Any]]] = [[]]
+    steps = []
+    for prev, cur in zip([None, *kept], kept):
+        if prev is not None and cur["rss_mb"] - prev["rss_mb"] >= step_mb:
+            steps.append({"t": cur["t"], "mb": cur["rss_mb"] - prev["rss_mb"], "ejections": cur.get("ejections")})
+            segments.append([])
+        segments[-1].append(cur)
+    num = den = 0.0
+    for seg in segments:
+        if len(seg) < 3:
+            continue
+        mt = sum(s["t"] for s in seg) / len(seg)
+        my = sum(s["rss_mb"] for s in seg) / len(seg)
+        num += sum((s["t"] - mt) * (s["rss_mb"] - my) for s in seg)
+        den += sum((s["t"] - mt) ** 2 for s in seg)
+    return {"step_mb": step_mb, "steps": steps, "steps_total_mb": sum(st["mb"] for st in steps),
+            "segments": len(segments), "per_hour_within_segments": (num / den * 3600.0) if den else None}
+
+
+def analyse(doc: dict[str, Any]) -> dict[str, Any]:
+    """The fits of a soak document from its samples and meta (also re-run on a saved ``soak.json``)."""
+    meta, samples = doc["meta"], doc["samples"]
+    warmup = meta["warmup_s"]
+    filled = filled_at(samples, meta["hash_cache_blocks"]) if meta.get("hash_cache_blocks") else None
+    meta["hash_cache_filled_s"] = filled
+    doc["slopes"] = slopes(samples, warmup)
+    doc["slopes_after_fill"] = slopes(samples, filled) if filled is not None and filled > warmup else None
+    doc["rss_steps"] = rss_steps(samples, max(warmup, filled or 0.0))
+    return doc
 
 
 def filled_at(samples: list[dict[str, Any]], bound: int) -> float | None:
@@ -195,12 +244,8 @@ def run_soak(opt: SoakOptions) -> dict[str, Any]:
             th.join(opt.sample_s + 30)
         loads = load_counters(env)
     failed = sum(1 for r in traffic.records if r.outcome != "ok")
-    filled = filled_at(samples, bound)
-    meta["hash_cache_filled_s"] = filled
-    doc = {"meta": meta, "requests": len(traffic.records), "failed": failed, "load_counters_after": loads,
-           "slopes": slopes(samples, warmup),
-           "slopes_after_fill": slopes(samples, filled) if filled is not None and filled > warmup else None,
-           "samples": samples}
+    doc = analyse({"meta": meta, "requests": len(traffic.records), "failed": failed, "load_counters_after": loads,
+                   "samples": samples})
     (opt.out / "soak.json").write_text(json.dumps(doc, indent=1))
     from loadtest.chaos_report import write_soak_report
 
@@ -217,6 +262,11 @@ def _print_slopes(console: Any, doc: dict[str, Any]) -> None:
     elif doc["meta"].get("hash_cache_filled_s") is None:
         console.print(f"[yellow]the hash cache never reached its bound ({doc['meta']['hash_cache_blocks']} blocks): "
                       "its fill is part of the slopes")
+    st = doc["rss_steps"]
+    within = "-" if st["per_hour_within_segments"] is None else f"{st['per_hour_within_segments']:+.3g} MB/hour"
+    steps = ", ".join(f"+{x['mb']:.1f} MB at {x['t']:.0f} s" for x in st["steps"]) or "none"
+    console.print(f"rss between steps of {st['step_mb']:.0f} MB or more: {within} over {st['segments']} segment(s); "
+                  f"steps: {steps}")
     if console.quiet:
         print(json.dumps({k: v["per_hour"] for k, v in doc["slopes"].items()}))
 
@@ -234,3 +284,23 @@ def _print_table(console: Any, doc: dict[str, Any], fits: dict[str, dict[str, An
         drift = "-" if s["drift_share"] is None else f"{s['drift_share']:+.1%}"
         t.add_row(name, f"{s['mean']:.4g}", f"{s['min']:.4g}", f"{s['max']:.4g}", f"{s['per_hour']:+.4g}", drift)
     console.print(t)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m loadtest.chaos_soak DIR``: fit a saved ``DIR/soak.json`` again and rewrite
+    its report and plot (after a change to the analysis, without another hour of traffic)."""
+    import sys
+
+    from rich.console import Console
+
+    from loadtest.chaos_report import write_soak_report
+
+    out = Path((argv or sys.argv[1:])[0])
+    doc = analyse(json.loads((out / "soak.json").read_text()))
+    (out / "soak.json").write_text(json.dumps(doc, indent=1))
+    write_soak_report(doc, out)
+    _print_slopes(Console(), doc)
+
+
+if __name__ == "__main__":
+    main()

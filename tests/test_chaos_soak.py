@@ -37,3 +37,20 @@ def test_a_minute_of_traffic_leaves_nothing_behind(tmp_path: Path) -> None:
     assert doc["meta"]["hash_cache_filled_s"] is not None and doc["meta"]["hash_cache_blocks"] == BOUND
     assert "hash cache" in (tmp_path / "soak_report.md").read_text()
     assert (tmp_path / "soak_report.md").exists() and (tmp_path / "soak.png").stat().st_size > 0
+
+
+def _rss(values: list[float]) -> list[dict[str, float]]:
+    return [{"t": 10.0 * i, "rss_mb": v} for i, v in enumerate(values)]
+
+
+def test_rss_steps_split_a_burst_from_a_trend_and_hide_no_leak() -> None:
+    """The step analysis reads a one-off rise (a burst's high-water mark) as a step with a
+    flat trend around it, and a steady leak as a trend, whichever way it is cut."""
+    from loadtest.chaos_soak import rss_steps
+
+    leak = rss_steps(_rss([260 + 21.0 * i * 10 / 3600 for i in range(360)]), 0.0)
+    assert leak["steps"] == [] and abs(leak["per_hour_within_segments"] - 21.0) < 0.01
+    burst = rss_steps(_rss([263.0 + 0.01 * (i % 3) for i in range(200)] + [277.0 + 0.01 * (i % 3) for i in range(160)]), 0.0)
+    assert [round(s["mb"]) for s in burst["steps"]] == [14] and abs(burst["per_hour_within_segments"]) < 0.1
+    stairs = rss_steps(_rss([260.0 + 5 * (i // 60) for i in range(360)]), 0.0)
+    assert len(stairs["steps"]) == 5 and stairs["steps_total_mb"] == 25.0
