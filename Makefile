@@ -47,8 +47,8 @@ bench: install
 	$(BIN)/python benchmarks/run_all.py
 
 # The README's policy tables and docs/ PNGs: the three workloads through round_robin, kv_aware and
-# the oracle (Mooncake also kv_aware fed exact engine state, the oracle split), next to the Rust
-# vllm-router, 3 interleaved repeats each, medians (about 75 minutes on 2 cores; PEER= leaves the
+# the oracle (Mooncake also kv_aware fed exact engine state, load, cache: the oracle split), next to the Rust
+# vllm-router, 3 interleaved repeats each, medians (about 30 minutes on 2 cores; PEER= leaves the
 # peer out, REPEATS=1 for a quick look).
 BENCH_OUT := bench-out
 PEER ?= --peer vllm-router:cache_aware,vllm-router:kv_aware
@@ -56,7 +56,7 @@ REPEATS ?= 3
 bench-policies: install
 	$(BIN)/kvrouter bench --out $(BENCH_OUT)/mooncake --workload mooncake --max-requests 600 --speedup 4 \
 	  --length-scale 0.25 --output-scale 0.1 --cpu-offload-blocks 65536 --target-load 0.8 \
-	  --policies round_robin,kv_aware,oracle,kv_aware+exact --repeats $(REPEATS) --plot-prefix bench_mooncake_ --quiet $(PEER)
+	  --policies round_robin,kv_aware,oracle,kv_aware+exact,kv_aware+exact_load,kv_aware+exact_cache --repeats $(REPEATS) --plot-prefix bench_mooncake_ --quiet $(PEER)
 	$(BIN)/kvrouter bench --out $(BENCH_OUT)/sharegpt --workload sharegpt --max-requests 300 --speedup 4 \
 	  --target-load 0.8 --policies round_robin,kv_aware,oracle --repeats $(REPEATS) --plot-prefix bench_sharegpt_ --quiet $(PEER)
 	$(BIN)/kvrouter bench --out $(BENCH_OUT)/synthetic --workload synthetic --max-requests 200 --speedup 4 \
@@ -66,7 +66,7 @@ bench-policies: install
 
 # Issue 15's acceptance: held-out seeds of the mixed agentic/multi-tenant workload (never tuned
 # on; loadtest.workloads.HELD_OUT_SEEDS) at 80% load on 4 engines, kv_aware against the oracle
-# and the oracle split, 3 interleaved repeats each (about 25 minutes per seed on 2 cores).
+# and the oracle split, 3 interleaved repeats each (about 8 minutes per seed on 2 cores).
 HELD_OUT ?= 1001 1002 1003
 bench-heldout: install
 	for seed in $(HELD_OUT); do \
