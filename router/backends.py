@@ -48,6 +48,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from router import metrics
 from router.config import Backend, Config, RouterSettings
 from router.shared_state import EJECTED, HEALTHY, Segment
 
@@ -283,6 +284,7 @@ class BackendPool:
         checks, anyone's passive ejections); each interval, check: the leader always, a
         follower only while the leader is gone."""
         checked = time.monotonic()  # core.Router.start has just checked every backend
+        alone = False
         while True:
             if self.leader:
                 segment.beat(self.worker)
@@ -290,7 +292,15 @@ class BackendPool:
                 if b.shared is not None and not b.retired:
                     b.follow()
             now = time.monotonic()
-            if now - checked >= self.settings.health_interval_s and (self.leader or self.leader_gone()):
+            if not self.leader and self.leader_gone() != alone:
+                alone = not alone
+                if alone:
+                    metrics.HEALTH_LEADER_GONE.inc()
+                    log.warning("worker %d: the health leader (worker 0) has stopped beating; checking backends itself",
+                                self.worker)
+                else:
+                    log.info("worker %d: the health leader is back; following its verdicts", self.worker)
+            if now - checked >= self.settings.health_interval_s and (self.leader or alone):
                 checked = now
                 await self.check_all()
             await asyncio.sleep(FOLLOW_S)

@@ -124,6 +124,12 @@ CONFIG_RELOADS = Counter(
 )
 
 
+HEALTH_LEADER_GONE = Counter(
+    "kvrouter_health_leader_gone",
+    "Times a worker of serve --workers found the health leader (worker 0) silent and began checking backends itself",
+)
+
+
 _CHILDREN: dict[tuple[int, tuple[str, ...]], Any] = {}
 
 

@@ -301,6 +301,36 @@ def test_one_health_decision_per_backend(tmp_path: Path) -> None:
             router.stop()
 
 
+def test_followers_check_for_themselves_while_the_leader_is_silent(tmp_path: Path) -> None:
+    """SIGSTOP the health leader (worker 0): it neither beats nor dies, so it is not
+    restarted. The other worker notices within 2 intervals + a timeout + 1 s, checks the
+    engines itself and ejects one that fails; once the leader runs again all agree."""
+    with CountingEngine() as a, CountingEngine() as b:
+        config = {"models": [model({"name": "a", "url": a.url}, {"name": "b", "url": b.url})],
+                  "router": {"health_interval_s": 0.5}}
+        router = Router(config, tmp_path)
+        leader = router.each_worker(lambda d: True, "both workers")[0]["pid"]
+        try:
+            os.kill(leader, signal.SIGSTOP)
+            a.healthy = False
+
+            def follower_ejected() -> bool:
+                try:
+                    d = httpx.get(router.url + "/debug/backends", timeout=1).json()
+                except httpx.TransportError:  # hashed to the stopped leader
+                    return False
+                return d["worker"] == 1 and next(x["healthy"] for x in d["backends"] if x["name"] == "a") is False
+
+            wait_for(follower_ejected, "the follower to eject a by its own check", timeout=15)
+            os.kill(leader, signal.SIGCONT)
+            router.each_worker(lambda d: next(x["healthy"] for x in d["backends"] if x["name"] == "a") is False,
+                               "both workers to hold a ejected", timeout=10)
+            assert scrape(router.url)["kvrouter_health_leader_gone_total"] >= 1.0
+        finally:
+            os.kill(leader, signal.SIGCONT)
+            router.stop()
+
+
 @pytest.mark.parametrize("workers", [1, 2])
 def test_a_passive_ejection_by_one_worker_ejects_in_every_worker(workers: int, tmp_path: Path) -> None:
     """No health check within the test (30 s interval): the engine dies, the first worker
