@@ -39,6 +39,7 @@ import gc
 import json
 import math
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -368,6 +369,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=20.0, help="length of the idle and the event-load spells")
     ap.add_argument("--routed", type=int, default=1500, help="requests routed through the Redis-index router")
     ap.add_argument("--memory-entries", type=int, default=1_000_000, help="(block, engine) entries for the memory figures")
+    ap.add_argument("--repeats", type=int, default=3, help="rounds of the timed phases (medians)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--events-per-request", type=float, default=None,
                     help="with --capacity: a workload's KV events per request instead of the measured worst case")
@@ -427,66 +429,83 @@ def main() -> None:
         print(f"idle {idle_s:.0f} s: " + ", ".join(f"{n} {c:.3f} cores" for n, c in idle_cores.items())
               + f"; Redis {sum(idle_ops.values()) / idle_s:.1f} ops/s {idle_ops}", flush=True)
 
-        # 2. event load, requests straight to the engines: the routers only ingest
-        c = snapshot()
-        ok, failed, elapsed = asyncio.run(drive(engine_urls, args.seconds, None, args.concurrency, args.prompt_tokens, seed=1))
-        time.sleep(1.0)  # the last events reach the subscribers
-        d = snapshot()
-        span = d["t"] - c["t"]
-        ev = {k: {f: d[k][f] - c[k][f] for f in ("events", "batches")} for k in ("mem", "idx")}
-        # Every prompt is fresh token ids, so each of its full blocks is stored once (and, the
-        # caches being full, about as many are evicted): blocks stored = requests x full blocks.
-        for k in ev:
-            ev[k]["blocks"] = ok * (args.prompt_tokens // 16)
-        mix = {t: d["types"].get(t, 0.0) - c["types"].get(t, 0.0) for t in d["types"]}
-        load_ops = diff(c["redis"], d["redis"])
-        ingest: dict[str, Any] = {"requests": ok, "failed": failed, "seconds": span, "requests_per_s": ok / elapsed,
-                                  "router_events": ev["mem"], "indexer_events": ev["idx"], "event_mix": mix, "redis_ops": load_ops}
-        print(f"event load: {ok} requests ({failed} failed) in {elapsed:.1f} s = {ok / elapsed:.0f} req/s; router applied "
-              f"{ev['mem']['events']} events ({ev['mem']['events'] / span:.0f}/s: {mix}) in {ev['mem']['batches']} batches, "
-              f"{ev['mem']['blocks']} blocks stored ({ev['mem']['blocks'] / span:.0f}/s); indexer {ev['idx']['events']} events", flush=True)
-        per: dict[str, dict[str, float]] = {}
-        for name, key in (("router (memory index)", "mem"), ("indexer (Redis)", "idx"), ("redis-server", "idx")):
-            busy = d["cpu"][name] - c["cpu"][name] - idle_cores[name] * span
-            events, blocks = ev[key]["events"], ev[key]["blocks"]
-            per[name] = {"cpu_s": busy, "cores_per_1k_events_per_s": busy / events * 1e3 if events else float("nan"),
-                                  "cores_per_1k_blocks_per_s": busy / blocks * 1e3 if blocks else float("nan")}
-        ingest["per_process"] = per
-        ingest["redis_ops_per_event"] = sum(load_ops.values()) / max(ev["idx"]["events"], 1)
-        ingest["redis_ops_per_batch"] = sum(load_ops.values()) / max(ev["idx"]["batches"], 1)
+        # 2. event load, requests straight to the engines: the routers only ingest (medians of
+        # --repeats rounds; each round's figures are kept in the JSON)
+        def ingest_round(seed: int) -> dict[str, Any]:
+            c = snapshot()
+            ok, failed, elapsed = asyncio.run(drive(engine_urls, args.seconds, None, args.concurrency, args.prompt_tokens, seed=seed))
+            time.sleep(1.0)  # the last events reach the subscribers
+            d = snapshot()
+            span = d["t"] - c["t"]
+            ev = {k: {f: d[k][f] - c[k][f] for f in ("events", "batches")} for k in ("mem", "idx")}
+            # Every prompt is fresh token ids, so each of its full blocks is stored once (and, the
+            # caches being full, about as many are evicted): blocks stored = requests x full blocks.
+            for k in ev:
+                ev[k]["blocks"] = ok * (args.prompt_tokens // 16)
+            mix = {t: d["types"].get(t, 0.0) - c["types"].get(t, 0.0) for t in d["types"]}
+            load_ops = diff(c["redis"], d["redis"])
+            out: dict[str, Any] = {"requests": ok, "failed": failed, "seconds": span, "requests_per_s": ok / elapsed,
+                                   "router_events": ev["mem"], "indexer_events": ev["idx"], "event_mix": mix, "redis_ops": load_ops}
+            print(f"event load: {ok} requests ({failed} failed) in {elapsed:.1f} s = {ok / elapsed:.0f} req/s; router applied "
+                  f"{ev['mem']['events']} events ({ev['mem']['events'] / span:.0f}/s: {mix}) in {ev['mem']['batches']} batches, "
+                  f"{ev['mem']['blocks']} blocks stored ({ev['mem']['blocks'] / span:.0f}/s); indexer {ev['idx']['events']} events", flush=True)
+            per: dict[str, dict[str, float]] = {}
+            for name, key in (("router (memory index)", "mem"), ("indexer (Redis)", "idx"), ("redis-server", "idx")):
+                busy = d["cpu"][name] - c["cpu"][name] - idle_cores[name] * span
+                events, blocks = ev[key]["events"], ev[key]["blocks"]
+                per[name] = {"cpu_s": busy, "cores_per_1k_events_per_s": busy / events * 1e3 if events else float("nan"),
+                             "cores_per_1k_blocks_per_s": busy / blocks * 1e3 if blocks else float("nan")}
+            out["per_process"] = per
+            out["redis_ops_per_event"] = sum(load_ops.values()) / max(ev["idx"]["events"], 1)
+            out["redis_ops_per_batch"] = sum(load_ops.values()) / max(ev["idx"]["batches"], 1)
+            return out
+
+        rounds = [ingest_round(seed=1 + r) for r in range(args.repeats)]
+        ingest = dict(sorted(rounds, key=lambda x: x["per_process"]["router (memory index)"]["cores_per_1k_events_per_s"])[len(rounds) // 2])
+        ingest["per_process"] = {n: {f: statistics.median(r["per_process"][n][f] for r in rounds) for f in rounds[0]["per_process"][n]}
+                                 for n in rounds[0]["per_process"]}
+        ingest["rounds"] = rounds
         results["ingest"] = ingest
-        print("\ningest CPU (cores busy at 1,000 events/s; = CPU seconds per 1,000 events), idle subtracted:")
-        for name, v in per.items():
-            print(f"  {name:24} {v['cores_per_1k_events_per_s']:.3f} cores per 1k events/s   "
-                  f"{v['cores_per_1k_blocks_per_s']:.4f} cores per 1k blocks stored/s")
-        print(f"  events per engine request: {ev['mem']['events'] / max(ok, 1):.2f} (each request stores {args.prompt_tokens // 16} blocks)")
-        print(f"  Redis writes: {ingest['redis_ops_per_event']:.2f} ops per event, {ingest['redis_ops_per_batch']:.2f} per batch  {load_ops}")
+        ok = ingest["requests"]
+        print(f"\ningest CPU (cores busy at 1,000 events/s; = CPU seconds per 1,000 events), idle subtracted, median of {len(rounds)}:")
+        for name, v in ingest["per_process"].items():
+            print(f"  {name:24} {v['cores_per_1k_events_per_s']:.4f} cores per 1k events/s   "
+                  f"{v['cores_per_1k_blocks_per_s']:.4f} cores per 1k blocks stored/s   (rounds: "
+                  + ", ".join(f"{r['per_process'][name]['cores_per_1k_events_per_s']:.4f}" for r in rounds) + ")")
+        print(f"  events per engine request: {ingest['router_events']['events'] / max(ok, 1):.2f} (each request stores {args.prompt_tokens // 16} blocks)")
+        print(f"  Redis writes: {ingest['redis_ops_per_event']:.2f} ops per event, {ingest['redis_ops_per_batch']:.2f} per batch")
 
-        # 3a. routed through the Redis-index router, unobserved: CPU per routed request of the
-        # router, of the indexer (the events those requests caused) and of redis-server
-        e0 = snapshot()
-        ok_c, failed_c, el_c = asyncio.run(drive([red_url], None, args.routed, min(args.concurrency, 16), args.prompt_tokens, seed=3))
-        time.sleep(1.0)
-        f0 = snapshot()
-        span_c = f0["t"] - e0["t"]
-        cost = {n: (f0["cpu"][n] - e0["cpu"][n] - idle_cores[n] * span_c) / max(ok_c, 1) * 1e6
-                for n in ("router (Redis index)", "indexer (Redis)", "redis-server")}
-        ops_c = diff(e0["redis"], f0["redis"])
-        results["routed_cpu"] = {"requests": ok_c, "failed": failed_c, "seconds": el_c, "requests_per_s": ok_c / el_c,
-                                 "cpu_us_per_request": cost, "commandstats_per_request": sum(ops_c.values()) / max(ok_c, 1)}
-        print(f"\nrouted through the Redis-index router: {ok_c} requests ({failed_c} failed) at {ok_c / el_c:.0f} req/s; CPU per "
-              "routed request: " + ", ".join(f"{n} {v:.0f} us" for n, v in cost.items())
-              + f"; {sum(ops_c.values()) / max(ok_c, 1):.0f} Redis commands (scripts' included) per request")
+        # 3a. routed through the Redis-index router and through the memory-index router, taking
+        # turns (--repeats rounds, medians): CPU per routed request of each router, of the
+        # indexer (the events those requests caused) and of redis-server
+        def routed_round(url: str, names: tuple[str, ...], seed: int) -> tuple[dict[str, float], int, int, float, float]:
+            e0 = snapshot()
+            n_ok, n_failed, el = asyncio.run(drive([url], None, args.routed, min(args.concurrency, 16), args.prompt_tokens, seed=seed))
+            time.sleep(1.0)
+            f0 = snapshot()
+            span_c = f0["t"] - e0["t"]
+            cost = {n: (f0["cpu"][n] - e0["cpu"][n] - idle_cores[n] * span_c) / max(n_ok, 1) * 1e6 for n in names}
+            commands = sum(diff(e0["redis"], f0["redis"]).values()) / max(n_ok, 1)
+            return cost, n_ok, n_failed, el, commands
 
-        # 3a'. the same requests through the memory-index router: what reading Redis adds
-        g0 = snapshot()
-        ok_m, failed_m, el_m = asyncio.run(drive([mem_url], None, args.routed, min(args.concurrency, 16), args.prompt_tokens, seed=4))
-        time.sleep(1.0)
-        g1 = snapshot()
-        mem_us = (g1["cpu"]["router (memory index)"] - g0["cpu"]["router (memory index)"]
-                  - idle_cores["router (memory index)"] * (g1["t"] - g0["t"])) / max(ok_m, 1) * 1e6
-        results["routed_cpu"]["memory_router_cpu_us_per_request"] = mem_us
-        print(f"  the same through the memory-index router: {ok_m} requests ({failed_m} failed), router CPU {mem_us:.0f} us per request")
+        redis_names = ("router (Redis index)", "indexer (Redis)", "redis-server")
+        via_redis, via_mem = [], []
+        for r in range(args.repeats):
+            via_redis.append(routed_round(red_url, redis_names, seed=100 + r))
+            via_mem.append(routed_round(mem_url, ("router (memory index)",), seed=200 + r))
+        cost = {n: statistics.median(x[0][n] for x in via_redis) for n in redis_names}
+        mem_us = statistics.median(x[0]["router (memory index)"] for x in via_mem)
+        ok_c = sum(x[1] for x in via_redis)
+        failed_c = sum(x[2] for x in via_redis) + sum(x[2] for x in via_mem)
+        rps_c = statistics.median(x[1] / x[3] for x in via_redis)
+        commands_c = statistics.median(x[4] for x in via_redis)
+        results["routed_cpu"] = {"requests": ok_c, "failed": failed_c, "requests_per_s": rps_c, "cpu_us_per_request": cost,
+                                 "commandstats_per_request": commands_c, "memory_router_cpu_us_per_request": mem_us,
+                                 "rounds": {"redis": [x[0] for x in via_redis], "memory": [x[0] for x in via_mem]}}
+        print(f"\nrouted, {args.repeats} rounds of {args.routed} requests through each router, taking turns ({failed_c} failed), "
+              f"medians: CPU per routed request: " + ", ".join(f"{n} {v:.0f} us" for n, v in cost.items())
+              + f"; {commands_c:.0f} Redis commands (scripts' included) per request")
+        print(f"  the same through the memory-index router: router CPU {mem_us:.0f} us per request (ingest of its events included)")
 
         # 3b. the same again with MONITOR on: round trips per routed request, by sender
         redis_port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
