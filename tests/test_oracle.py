@@ -183,6 +183,36 @@ def test_one_request_asks_every_engine_of_a_process(sim_fleet) -> None:
     assert one["cached_blocks"]["gpu"] == len(ids) // 16 and zero["cached_blocks"]["gpu"] == 0
 
 
+def test_concurrent_questions_see_each_other_in_transit(sim_fleet) -> None:
+    """Two decisions arriving within one round trip: the second question must carry the first
+    prompt, sent by then, as in transit (the router sends right after ``ask`` returns, with no
+    await between). Asked in parallel, both saw an idle engine and piled onto it."""
+    from router.policies.engine_state import SideChannel
+
+    sim = sim_fleet("--debug-state")
+
+    async def decide(channel: SideChannel, key: int, ids: list[int]) -> int:
+        states = await channel.ask(key, ids, {"max_tokens": 8, "ignore_eos": True}, "completion")
+        channel.sent(key, "e0")  # what the router does next, before any await
+        return states["e0"].load.in_flight
+
+    async def main() -> list[int]:
+        channel = SideChannel({"e0": sim.http()})
+        await channel.start("oracle")
+        try:
+            return list(await asyncio.gather(*(decide(channel, k, list(range(1000 + 97 * k, 3000 + 97 * k)))
+                                                for k in range(3))))
+        finally:
+            await channel.aclose()
+
+    # Nothing reaches the engine (only asked about), so each later question sees every earlier prompt.
+    assert sorted(asyncio.run(main())) == [0, 1, 2]
+    # In transit by id: the simulator knew every prompt from its own question.
+    metrics = httpx.get(sim.http() + "/metrics").text
+    (unknown,) = [line for line in metrics.splitlines() if line.startswith("kvrouter_sim:debug_state_unknown_ahead_total")]
+    assert unknown.endswith(" 0.0"), unknown
+
+
 # -- the policies in a real router ---------------------------------------------------------------
 
 
