@@ -40,8 +40,8 @@ the shared segment are keyed by name, so workers that reload a moment apart agre
 after a back-off (:data:`FIRST_BACKOFF_S`, doubling to :data:`MAX_BACKOFF_S`, back to
 the first after :data:`STABLE_S` of life); its load row is zeroed first (its requests
 died with it: no phantom load) and ``kvrouter_worker_restarts`` counts it. A worker that
-exits with status 2 (its config did not load) stops the supervisor: a restart would
-fail the same way.
+exits with status 2 or 3 (its config did not load, its router did not start) stops the
+supervisor with that status: a restart would fail the same way.
 """
 
 from __future__ import annotations
@@ -69,6 +69,10 @@ FIRST_BACKOFF_S = 0.5
 MAX_BACKOFF_S = 30.0
 STABLE_S = 30.0
 POLL_S = 0.1
+FATAL = (2, 3)
+"""A worker's exit statuses that stop the supervisor: 2, its config did not load; 3, its
+router did not start (a tokenizer that does not load). A restart would fail the same way
+(gunicorn's boot error does the same)."""
 SEGMENT_FILE = "shared"
 METRICS_DIR = "metrics"
 
@@ -221,9 +225,9 @@ class Supervisor:
                 bad = {i: c for i, c in self.exit_codes.items() if c != 0}
                 if bad:
                     log.warning("workers exited with %s", bad)
-                return 0 if not bad else 1
-            if 2 in self.exit_codes.values() and self.stopping is None:
-                log.error("a worker could not load its config: stopping")
+                return 0 if not bad else next((c for c in bad.values() if c in FATAL), 1)
+            if any(c in FATAL for c in self.exit_codes.values()) and self.stopping is None:
+                log.error("a worker could not start (its config or tokenizer did not load): stopping")
                 self._on_signal(signal.SIGTERM, None)
             time.sleep(POLL_S)
 
@@ -243,7 +247,7 @@ class Supervisor:
             self.exit_codes[i] = 0 if code == -self.stopping else code
             log.info("worker %d exited (%d)", i, code)
             return
-        if code == 2:
+        if code in FATAL:
             self.exit_codes[i] = code
             return
         lived = now - self.started_at[i]

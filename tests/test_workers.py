@@ -453,3 +453,17 @@ def test_decision_ring_replays_across_its_end_and_a_reader_a_ring_behind_skips(t
     assert late.match(fresh) == {}, "replayed words the writer had overwritten"
     writer.insert(fresh, "b")
     assert late.match(fresh) == {"b": 40}
+
+
+def test_a_worker_that_cannot_start_stops_the_supervisor_with_its_status(tmp_path: Path) -> None:
+    """A tokenizer that does not load fails every worker the same way: the supervisor stops
+    with the worker's status (3) instead of restarting it forever."""
+    path = tmp_path / "bad.yaml"
+    bad = {**COMMON, "tokenizer": str(tmp_path / "no-such-tokenizer")}
+    path.write_text(yaml.safe_dump({"models": [{"name": MODEL, **bad, "backends": [{"name": "a", "url": "http://127.0.0.1:9"}]}]}))
+    proc = Proc(KVROUTER + ["serve", "--config", str(path), "--port", str(free_port()), "--workers", "2"], tmp_path / "bad.log")
+    try:
+        assert proc.popen.wait(60) == 3, proc.log()
+        assert "could not start" in proc.log()
+    finally:
+        proc.stop()
