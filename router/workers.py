@@ -212,6 +212,8 @@ class Supervisor:
         self.started_at[i] = time.monotonic()
         self.restart_at[i] = None
         log.info("worker %d started (pid %d)", i, self.procs[i].pid)  # type: ignore[union-attr]
+        if self.stopping is not None:  # the signal came while it was being started: it was not forwarded to it
+            self.procs[i].send_signal(self.stopping)  # type: ignore[union-attr]
 
     def _watch(self) -> int:
         while True:
