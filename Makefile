@@ -71,7 +71,7 @@ HELD_OUT ?= 1001 1002 1003
 bench-heldout: install
 	for seed in $(HELD_OUT); do \
 	  $(BIN)/kvrouter bench --out $(BENCH_OUT)/mixed-$$seed --workload mixed --seed $$seed --max-requests 600 \
-	    --speedup 4 --target-load 0.8 --policies round_robin,kv_aware,oracle,kv_aware+exact \
+	    --speedup 4 --target-load 0.8 --policies round_robin,kv_aware,oracle,kv_aware+exact --peer vllm-router:kv_aware \
 	    --repeats $(REPEATS) --quiet || exit 1; \
 	done
 
