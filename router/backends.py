@@ -103,6 +103,9 @@ class BackendState:
             auto_decompress=False,
             skip_auto_headers=("Accept-Encoding", "User-Agent"),
             headers=self.config.auth_headers(),
+            # One session serves every client: a jar would send a cookie an engine set for
+            # one client's request with every later client's requests to that engine.
+            cookie_jar=aiohttp.DummyCookieJar(),
         )
 
     @property

@@ -57,6 +57,7 @@ class EchoEngine(LoopbackEngine):
         "proxy-authenticate": "Basic realm=engine",
         "keep-alive": "timeout=99",
         "cache-control": "no-store",
+        "set-cookie": "engine_session=tenant-a; Path=/",
     }
 
     def __init__(self) -> None:
@@ -374,6 +375,22 @@ def test_hop_by_hop_and_kvrouter_headers_do_not_cross_the_router(engine: EchoEng
     for name in ("x-kvrouter-reason", "x-engine-secret-route", "proxy-authenticate", "keep-alive"):
         assert name not in r.headers, name
     assert r.headers["cache-control"] == "no-store" and r.headers["x-request-id"] == rid
+
+
+def test_a_cookie_an_engine_sets_is_never_sent_with_another_clients_request(engine: EchoEngine, tmp_path: Path) -> None:
+    """The router's one session per engine carries every client's requests. The engine is
+    named by host name here: aiohttp's default jar ignores cookies from IP addresses, so a
+    jar would hide behind 127.0.0.1 and store this one."""
+    by_name = engine.url.replace("127.0.0.1", "localhost")
+    router = RouterProc("cookies", config([{"name": "echo", "url": by_name}]), tmp_path)
+    try:
+        first, _ = completion(router.url)  # answered with Set-Cookie
+        assert first.status_code == 200
+        second, rid = completion(router.url)
+        assert second.status_code == 200
+        assert "cookie" not in engine.headers_of(rid)
+    finally:
+        router.stop()
 
 
 def raw_request(port: int, head: bytes, body: bytes) -> bytes:
