@@ -177,6 +177,9 @@ def _soak_png(doc: dict[str, Any], path: Path) -> None:
         ax.plot([p[0] for p in pts], [p[1] for p in pts], linewidth=1)
         s = doc["slopes"][name]
         title = name if s["per_hour"] is None else f"{name} (slope {s['per_hour']:+.3g}/h)"
+        steps = doc.get("rss_steps") or {}
+        if name == "rss_mb" and steps.get("steps") and steps.get("per_hour_within_segments") is not None:
+            title = f"{name} (slope {s['per_hour']:+.3g}/h; {steps['per_hour_within_segments']:+.3g}/h between steps)"
         ax.set_title(title, fontsize=9)
         ax.axvline(doc["meta"]["warmup_s"], color="grey", linestyle=":", linewidth=0.8)
         if doc["meta"].get("hash_cache_filled_s") is not None:

@@ -61,9 +61,11 @@ SOAK_HASH_CACHE_BLOCKS = 32_768
 """The soak router's ``hash_cache_blocks``: full after ~5 minutes of soak traffic."""
 ROUTER_DEFAULT_HASH_CACHE_BLOCKS = 500_000
 """``router.hash_cache_blocks``' default (kvconfig), what ``hash_cache_blocks=None`` runs."""
-STEP_MB = 4.0
+STEP_MB = 2.0
 """An RSS rise between two samples (10 s) at least this big is a step, not a trend: the
-+21 MB/hour the hash cache's fill used to cost was 0.06 MB per sample."""
++21 MB/hour the hash cache's fill used to cost was 0.06 MB per sample, and the heap grows
+in rises of at most ~0.6 MB otherwise (the 1-hour soak's); the two ejections of that hour
+raised it by 13.2 and 3.2 MB."""
 
 
 @dataclass(slots=True)
