@@ -277,10 +277,13 @@ class EngineFleet:
                          for e in self.engines],
         }
 
-    def router_config(self, policy: str, port: int, weights: dict[str, Any] | None = None, workers: int = 1) -> dict[str, Any]:
+    def router_config(self, policy: str, port: int, weights: dict[str, Any] | None = None, workers: int = 1,
+                      settings: dict[str, Any] | None = None) -> dict[str, Any]:
         """A whole router config for this fleet with one policy (one router process unless
-        ``workers`` says otherwise: the bench compares policies, not process counts)."""
-        router: dict[str, Any] = {"host": "127.0.0.1", "port": port, "policy": policy, "workers": workers}
+        ``workers`` says otherwise: the bench compares policies, not process counts);
+        ``settings``: more ``router`` keys (e.g. ``share_worker_state``)."""
+        router: dict[str, Any] = {**(settings or {}), "host": "127.0.0.1", "port": port, "policy": policy,
+                                  "workers": workers}
         if weights:
             router["weights"] = weights
         return {"models": [self.model_config()], "router": router, "index": "memory"}
@@ -346,18 +349,20 @@ class Router(_RouterProcess):
     """``kvrouter serve`` for a :class:`Fleet` with one policy, on a free port."""
 
     def __init__(self, fleet: EngineFleet, policy: str, workdir: Path, *, weights: dict[str, Any] | None = None,
-                 workers: int = 1) -> None:
+                 workers: int = 1, settings: dict[str, Any] | None = None) -> None:
         self.fleet = fleet
         self.policy = policy
         self.workdir = workdir
         self.weights = weights
         self.workers = workers
+        self.settings = settings
 
     def _spawn(self) -> list[str]:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.port = free_port_run(1)
         cfg_path = self.workdir / f"router-{self.policy}.yaml"
-        cfg_path.write_text(yaml.safe_dump(self.fleet.router_config(self.policy, self.port, self.weights, self.workers)))
+        cfg_path.write_text(yaml.safe_dump(self.fleet.router_config(self.policy, self.port, self.weights, self.workers,
+                                                                 self.settings)))
         args = [*KVROUTER, "serve", "--config", str(cfg_path), "--port", str(self.port), "--policy", self.policy]
         self.child = Child(f"router-{self.policy}", args, self.workdir / f"router-{self.policy}.log")
         return [self.url + "/health"]

@@ -206,6 +206,10 @@ class Replayer:
             if not rec.ok:
                 break
 
+    def target_for(self, session_id: str) -> str:
+        """The endpoint a session's requests go to (one endpoint here; the bench's replicas spread them)."""
+        return self.target
+
     async def send(self, client: httpx.AsyncClient, turn: Turn, session_id: str, index: int) -> RequestRecord:
         """Stream one request; never raises for HTTP or network trouble (it lands in the record)."""
         body = {**turn.body, "model": self.model, "stream": True, "stream_options": {"include_usage": True}}
@@ -214,7 +218,7 @@ class Replayer:
         t_last: float | None = None
         try:
             async with client.stream(
-                "POST", self.target + turn.path, json=body, headers={"x-session-id": session_id}
+                "POST", self.target_for(session_id) + turn.path, json=body, headers={"x-session-id": session_id}
             ) as resp:
                 rec.status = resp.status_code
                 rec.backend = resp.headers.get(BACKEND_HEADER, NO_BACKEND)
