@@ -57,6 +57,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 sys.path.insert(0, str(REPO / "tests"))
 from bench_index import batches, fleet, ingest, python_bytes, start_redis  # noqa: E402
+from benchmarks.bench_throughput import tree_cpu  # noqa: E402
 from loadtest.fleet import FleetError  # noqa: E402
 from support import KVROUTER, QWEN3_DIR, Proc, free_port, free_ports as free_port_run, wait_http  # noqa: E402
 
@@ -65,23 +66,6 @@ from indexer.index import MemoryIndex  # noqa: E402
 from indexer.redis_index import RedisIndex  # noqa: E402
 
 MODEL = "qwen3-0.6b"
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process and its live descendants."""
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return 0.0
-    total = 0.0
-    for p in procs:
-        try:
-            t = p.cpu_times()
-            total += t.user + t.system
-        except psutil.NoSuchProcess:
-            pass
-    return total
-
-
 def start_sims(args: argparse.Namespace, tmp: Path) -> tuple[list[Proc], list[int], list[int], list[int]]:
     """``kvrouter sim --instances K`` processes for ``args.engines`` engines: the processes and
     every engine's HTTP, event and replay port. Each process takes three runs of consecutive
@@ -412,7 +396,7 @@ def main() -> None:
         print(f"{args.engines} engines in {len(sims)} sim processes, router + indexer + Redis ready", flush=True)
 
         def snapshot() -> dict[str, Any]:
-            return {"t": time.monotonic(), "cpu": {n: cpu_s(p) for n, p in measured.items()},
+            return {"t": time.monotonic(), "cpu": {n: tree_cpu(p) for n, p in measured.items()},
                     "mem": stream_totals(mem_url, "/debug/backends"), "idx": stream_totals(idx_url, "/debug/streams"),
                     "types": events_by_type(mem_url),
                     "redis": redis_calls(rserver)}

@@ -140,8 +140,7 @@ def accept(args: argparse.Namespace) -> None:
 # -- path --------------------------------------------------------------------------------
 
 async def path_round(texts: Any, n: int, shared: bool) -> dict[str, list[float]]:
-    from bench_request_path import CONFIG
-    from bench_router_overhead import cold_bodies, warm_chat, warm_turns
+    from bench_request_path import CONFIG, measure
 
     from router.config import parse_config
     from router.core import Router
@@ -154,31 +153,7 @@ async def path_round(texts: Any, n: int, shared: bool) -> dict[str, list[float]]
     if shared:
         segment = Segment.create(Path(tmp.name) / "shared", 2)
         router.share(segment, 0, "bench")
-    await router.models.load_tokenizers(router.executor)
-    path = router.path
-
-    async def one(body: dict[str, Any]) -> float:
-        raw = json.dumps(body).encode()
-        c0 = time.thread_time()
-        decided = await path.decide(body, len(raw), "chat", {}, act=True)
-        response = path.send(decided, "/v1/chat/completions", raw, {}, None, time.perf_counter())
-        spent = time.thread_time() - c0
-        response._first_ticket.release()
-        if response._req.on_done is not None:
-            response._req.on_done()
-        while router.background.queued or router.background.tasks:
-            await asyncio.sleep(0.002)
-        return spent
-
-    seen, history = warm_chat(texts)
-    for _ in range(3):
-        await one(seen)
-    out = {}
-    for case, bodies in (("warm 10-turn 8k+200", warm_turns(texts, history, n)),
-                         ("cold 1k", cold_bodies(texts, 1000, n)), ("cold 4k", cold_bodies(texts, 4000, n))):
-        out[case] = sorted([await one(b) * 1e6 for b in bodies])
-    router.executor.shutdown(wait=False)
-    router.background.shutdown()
+    out = await measure(router, texts, n)
     if segment is not None:
         segment.close()
     tmp.cleanup()

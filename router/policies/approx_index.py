@@ -55,20 +55,8 @@ class ApproxPrefixIndex:
         return len(self._entries)
 
     def insert(self, keys: list[int], backend: str) -> None:
-        if self.ttl_s <= 0 or not keys:
-            return
-        now = self._clock()
-        expiry = now + self.ttl_s
-        entries = self._entries
-        for p in reversed(_positions(len(keys))):
-            k = keys[p]
-            owners = entries.get(k)
-            if owners is None:
-                entries[k] = {backend: expiry}
-            else:
-                owners[backend] = expiry
-                entries.move_to_end(k)
-        self._expire(now)
+        """Remember that ``backend`` was just sent the chain ``keys`` (only its stored positions are kept)."""
+        self.insert_stored([keys[p] for p in _positions(len(keys))], backend)
 
     def insert_stored(self, stored: list[int], backend: str) -> None:
         """:meth:`insert` for a chain given by its keys at the stored positions only (another
