@@ -31,6 +31,12 @@ so the report has no TTFT floor.
 with ``kvrouter sim --debug-state``: the router asks every engine for its exact state at
 each decision (:mod:`router.policies.oracle`). With an oracle run, every policy's TTFT-p90
 gain over round_robin is also reported as a fraction of the oracle's.
+
+``--router-workers N`` and ``--router-replicas R`` (both default 1: the bench compares
+policies, not process counts) start each kvrouter policy's router with N workers, or R
+replicas on a Redis index fed by ``kvrouter indexer`` with sessions spread over them
+(:mod:`loadtest.bench_replicas`); ``--router-setting KEY=VALUE`` adds router config keys.
+The capacity run and the peers keep one router process.
 """
 
 from __future__ import annotations
@@ -42,13 +48,14 @@ import json
 import statistics
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from loadtest import report, workloads
+from loadtest.bench_replicas import Replicas, RouterShape, SpreadReplayer, parse_settings
 from loadtest.fleet import (
     EngineFleet,
     Fleet,
@@ -246,24 +253,30 @@ class PolicyRun:
 
 def run_policy(workload: Workload, spec: FleetSpec | VllmSpec, policy: str, workdir: Path, *, speedup: float,
                sample_interval_s: float, progress: bool, weights: dict[str, Any] | None = None,
-               live: VllmFleet | None = None, label: str | None = None) -> PolicyRun:
+               live: VllmFleet | None = None, label: str | None = None,
+               shape: RouterShape | None = None) -> PolicyRun:
     """One policy (kvrouter's, or a peer's ``vllm-router:POLICY``) on a fresh router and a fresh
     simulated fleet (or ``live``, the real one, caches emptied); returns its results.json entry
     and plot data."""
     slug = policy.replace(":", "-")
     if policy in EXACT_STATE_POLICIES and isinstance(spec, FleetSpec):
         spec = replace(spec, sim_args=[*spec.sim_args, SIDE_CHANNEL_ARG])
-    with _fleet(spec, workdir / slug, live) as fleet, _router(fleet, policy, workdir / slug, weights) as router:
+    with _fleet(spec, workdir / slug, live) as fleet, _router(fleet, policy, workdir / slug, weights, shape) as router:
         before = {e.name: _try(scrape, e.url + "/metrics") for e in fleet.engines}
         ttft_before = _engine_buckets(fleet, "vllm:time_to_first_token_seconds")
         sampler = EngineSampler(fleet, sample_interval_s, spec.speedup)
-        replayer = Replayer(router.url, spec.model, speedup=speedup, time_scale=spec.speedup)
+        replayer = (SpreadReplayer(router.urls, spec.model, speedup=speedup, time_scale=spec.speedup)
+                    if isinstance(router, Replicas) else
+                    Replayer(router.url, spec.model, speedup=speedup, time_scale=spec.speedup))
         res = _run_with_progress(replayer, workload, sampler, label or policy, progress)
         # A peer has no /debug/route, and its /metrics proxies an engine's page.
-        kvrouter = isinstance(router, Router)
+        kvrouter = isinstance(router, (Router, Replicas))
         overhead = probe_overhead(router.url, list(workload.turns()), spec.model) if kvrouter else None
-        router_metrics = _try(scrape, router.url + "/metrics") if kvrouter else {}
-        reasons = _try(scrape_labelled, router.url + "/metrics", "kvrouter_routing_decisions_total", "reason") if kvrouter else {}
+        if isinstance(router, Replicas):  # every replica's counters, summed
+            router_metrics, reasons = router.metrics(), router.reasons()
+        else:
+            router_metrics = _try(scrape, router.url + "/metrics") if kvrouter else {}
+            reasons = _try(scrape_labelled, router.url + "/metrics", "kvrouter_routing_decisions_total", "reason") if kvrouter else {}
         engine_metrics = {e.name: _since(_try(scrape, e.url + "/metrics"), before[e.name]) for e in fleet.engines}
         ttft_buckets = _since(_engine_buckets(fleet, "vllm:time_to_first_token_seconds"), ttft_before)
     summary = res.summary()
@@ -289,6 +302,8 @@ def run_policy(workload: Workload, spec: FleetSpec | VllmSpec, policy: str, work
                            if k.startswith("kvrouter_") and not k.endswith(("_bucket", "_created"))},
         "scrape_failures": sampler.failures,
     }
+    if isinstance(router, Replicas):
+        result["replica_decisions"] = router.decisions
     write_records(res.records, workdir / f"records-{slug}.jsonl")
     return PolicyRun(result, report.PolicyTrace(policy, res.records, sampler.samples, spec.speedup))
 
@@ -307,9 +322,15 @@ def _since(now: dict[Any, float], before: dict[Any, float]) -> dict[Any, float]:
     return {k: v - before.get(k, 0.0) for k, v in now.items()}
 
 
-def _router(fleet: EngineFleet, policy: str, workdir: Path, weights: dict[str, Any] | None = None) -> Router | VllmRouter:
+def _router(fleet: EngineFleet, policy: str, workdir: Path, weights: dict[str, Any] | None = None,
+            shape: RouterShape | None = None) -> Router | Replicas | VllmRouter:
     peer = peer_policy(policy)
-    return Router(fleet, policy, workdir, weights=weights) if peer is None else VllmRouter.for_fleet(fleet, peer, workdir)
+    if peer is not None:
+        return VllmRouter.for_fleet(fleet, peer, workdir)
+    shape = shape or RouterShape()
+    if shape.replicas > 1:
+        return Replicas(fleet, policy, workdir, shape, weights)
+    return Router(fleet, policy, workdir, weights=weights, workers=shape.workers, settings=shape.settings)
 
 
 def _engine_requests(engine_metrics: dict[str, dict[str, float]]) -> dict[str, int]:
@@ -403,6 +424,8 @@ class BenchOptions:
     """kv_aware cost weights for kvrouter's routers (``router.weights`` in the config)."""
     repeats: int = 1
     """Runs per policy; the report shows each figure's median (:func:`loadtest.report.median_run`)."""
+    router: RouterShape = field(default_factory=RouterShape)
+    """Workers, replicas and extra config of every kvrouter policy's router."""
 
 
 def run_bench(opt: BenchOptions) -> dict[str, Any]:
@@ -426,7 +449,7 @@ def _run_bench(opt: BenchOptions, work: Path, console: Any, live: VllmFleet | No
     wl = opt.workload
     meta: dict[str, Any] = {"workload": wl.name, "requests": wl.num_requests, "backends": opt.spec.backends,
                             "fleet": "vllm" if live is not None else "sim",
-                            "speedup": opt.speedup, "trace_rate_per_s": round(wl.arrival_rate, 3)}
+                            "speedup": opt.speedup, "trace_rate_per_s": round(wl.arrival_rate, 3), **opt.router.meta()}
     rate_scale = opt.rate_scale
     if opt.weights:
         meta["weights"] = opt.weights
@@ -456,7 +479,8 @@ def _run_bench(opt: BenchOptions, work: Path, console: Any, live: VllmFleet | No
         for i, policy in enumerate(opt.policies):
             label = policy if opt.repeats == 1 else f"{policy} ({rep + 1}/{opt.repeats})"
             pr = run_policy(scaled, opt.spec, policy, rep_dir, speedup=opt.speedup, label=label,
-                            sample_interval_s=opt.sample_interval_s, progress=opt.progress, weights=opt.weights, live=live)
+                            sample_interval_s=opt.sample_interval_s, progress=opt.progress, weights=opt.weights, live=live,
+                            shape=opt.router)
             pr.result["ideal_cached_ratio"] = ref.cached_ratio
             pr.result["ttft_floor_s"] = floor if ref.ttft_floor_s else None
             reps[i].append(pr.result)
@@ -509,6 +533,13 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-weight", action="append", default=[], metavar="KEY=VALUE",
                    help="a kv_aware cost weight for kvrouter's routers, e.g. decode=0 (repeatable; the keys of "
                         "router.weights in the config)")
+    p.add_argument("--router-workers", type=int, default=1,
+                   help="router.workers of every kvrouter policy's router (default 1: the bench compares policies)")
+    p.add_argument("--router-replicas", type=int, default=1,
+                   help="router replicas per kvrouter policy, on one Redis index fed by kvrouter indexer, sessions "
+                        "spread round-robin over them (default 1: one router, in-memory index; needs redis-server)")
+    p.add_argument("--router-setting", action="append", default=[], metavar="KEY=VALUE",
+                   help="another router config key for kvrouter's routers, e.g. share_worker_state=false (repeatable)")
     add_workload_args(p)
 
 
@@ -525,12 +556,16 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         raise WorkloadError("--backends must be >= 1")
     if args.repeats < 1:
         raise WorkloadError("--repeats must be >= 1")
+    if args.router_workers < 1 or args.router_replicas < 1:
+        raise WorkloadError("--router-workers and --router-replicas must be >= 1")
+    shape = RouterShape(args.router_workers, args.router_replicas, parse_settings(args.router_setting))
     exact = [p for p in policies if p in EXACT_STATE_POLICIES]
     if exact and isinstance(spec, VllmSpec):
         raise WorkloadError(f"{', '.join(exact)} read the simulator's exact engine state: not with --fleet vllm")
     return BenchOptions(Path(args.out), wl, spec, policies, args.speedup, args.target_load, args.rate_scale,
                         sample_interval_s=args.sample_interval, progress=not args.quiet,
-                        plot_prefix=args.plot_prefix, weights=parse_weights(args.kv_weight), repeats=args.repeats)
+                        plot_prefix=args.plot_prefix, weights=parse_weights(args.kv_weight), repeats=args.repeats,
+                        router=shape)
 
 
 def _spec_from_args(args: argparse.Namespace) -> FleetSpec | VllmSpec:

@@ -1,0 +1,77 @@
+"""``kvrouter bench --router-workers`` and ``--router-replicas`` end to end on a tiny synthetic workload.
+
+Real processes: the simulated fleet, ``kvrouter serve`` with 2 workers, or redis-server,
+``kvrouter indexer`` and 2 replicas on its index. Each run must record its router shape in
+results.json and report.md, complete every request, and (replicas) send requests through
+every replica.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from support import KVROUTER, REPO
+
+pytestmark = pytest.mark.slow
+
+TINY = ["--workload", "synthetic", "--backends", "2", "--policies", "kv_aware", "--max-requests", "20",
+        "--speedup", "5", "--quiet"]
+
+
+def _bench(out: Path, *flags: str) -> dict:
+    r = subprocess.run([*KVROUTER, "bench", "--out", str(out), *TINY, *flags],
+                       capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return json.loads((out / "results.json").read_text())
+
+
+def _all_completed(results: dict) -> dict:
+    [run] = results["runs"]
+    assert run["policy"] == "kv_aware"
+    assert run["requests"] == 20 and run["completed"] == 20 and run["errors"] == 0
+    assert sum(run["engine_requests"].values()) == 20
+    return run
+
+
+def test_two_workers_are_recorded_and_complete_every_request(tmp_path: Path) -> None:
+    results = _bench(tmp_path, "--router-workers", "2", "--router-setting", "share_worker_state=false")
+    meta = results["meta"]
+    assert (meta["router_workers"], meta["router_replicas"]) == (2, 1)
+    assert meta["router_settings"] == {"share_worker_state": False}
+    _all_completed(results)
+    cfg = (tmp_path / "logs" / "kv_aware" / "router-kv_aware.yaml").read_text()
+    assert "workers: 2" in cfg and "share_worker_state: false" in cfg
+    md = (tmp_path / "report.md").read_text()
+    assert "- router_workers: 2" in md and "- router_replicas: 1" in md
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed (make redis)")
+def test_two_replicas_on_redis_share_the_requests(tmp_path: Path) -> None:
+    results = _bench(tmp_path, "--router-replicas", "2")
+    meta = results["meta"]
+    assert (meta["router_workers"], meta["router_replicas"]) == (1, 2)
+    run = _all_completed(results)
+    # Both replicas routed (sessions round-robin), and between them every request (+ the decision probe's).
+    assert len(run["replica_decisions"]) == 2 and all(n > 0 for n in run["replica_decisions"])
+    assert sum(run["replica_decisions"]) >= 20
+    # kv_aware found cache through the Redis index the indexer fed.
+    assert run["cached_tokens"] > 0
+    assert "- router_replicas: 2" in (tmp_path / "report.md").read_text()
+
+
+def test_router_flags_are_checked() -> None:
+    from loadtest.bench_replicas import parse_settings
+    from loadtest.workloads import WorkloadError
+
+    assert parse_settings([]) == {}
+    assert parse_settings(["share_worker_state=false", "health_interval_s=0.5"]) == {
+        "share_worker_state": False, "health_interval_s": 0.5}
+    for bad, msg in ((["nope=1"], "nope"), (["share_worker_state=maybe"], "share_worker_state"),
+                     (["workers=2"], "--router-workers"), (["x"], "KEY=VALUE")):
+        with pytest.raises(WorkloadError, match=msg):
+            parse_settings(bad)
