@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test fuzz demo install redis vllm bench bench-policies bench-heldout bench-loads bench-vllm chaos soak replicas clean \
+.PHONY: test fuzz demo install redis vllm bench bench-policies bench-workers bench-heldout bench-loads bench-vllm chaos soak replicas clean \
 	wrk bench-throughput bench-scale
 
 $(BIN)/python:
@@ -101,6 +101,28 @@ bench-vllm: install vllm
 	$(BIN)/kvrouter bench --fleet vllm --out $(BENCH_OUT)/vllm --workload sharegpt --max-requests 120 \
 	  --max-output-tokens 32 --session-rate 0.5 --think-time 2 --policies round_robin,least_loaded,kv_aware \
 	  --plot-prefix bench_vllm_ --quiet $(PEER)
+
+# Issue 16's decision quality: kv_aware on the three README workloads (bench-policies' flags)
+# with 1 worker, 2 workers, 3 replicas on a Redis index fed by kvrouter indexer (sessions spread
+# round-robin), and the no-sharing ablation (2 workers, share_worker_state: false), into
+# $(BENCH_OUT)/workers-{1,2,3replicas,2-noshare}/WORKLOAD. The 1-worker run measures capacity
+# (--target-load 0.8); the others replay at its rate scale, so every setup gets the same load.
+WORKER_SETUPS := "2:--router-workers 2" "3replicas:--router-replicas 3" \
+  "2-noshare:--router-workers 2 --router-setting share_worker_state=false"
+define bench_workers
+	$(BIN)/kvrouter bench --out $(BENCH_OUT)/workers-1/$(1) $(2) --target-load 0.8 --policies kv_aware \
+	  --repeats $(REPEATS) --quiet --router-workers 1
+	rs=$$($(BIN)/python -c "import json,sys; print(json.load(open(sys.argv[1]))['meta']['rate_scale'])" \
+	  $(BENCH_OUT)/workers-1/$(1)/results.json) && for setup in $(WORKER_SETUPS); do \
+	  $(BIN)/kvrouter bench --out $(BENCH_OUT)/workers-$${setup%%:*}/$(1) $(2) --rate-scale $$rs \
+	    --policies kv_aware --repeats $(REPEATS) --quiet $${setup#*:} || exit 1; \
+	done
+endef
+bench-workers: install redis
+	$(call bench_workers,mooncake,--workload mooncake --max-requests 600 --speedup 4 --length-scale 0.25 \
+	  --output-scale 0.1 --cpu-offload-blocks 65536)
+	$(call bench_workers,sharegpt,--workload sharegpt --max-requests 300 --speedup 4)
+	$(call bench_workers,synthetic,--workload synthetic --max-requests 200 --speedup 4 --num-blocks 1024)
 
 # Issue 16's scale-out figures (docs/scaling.md). wrk is the load generator the throughput
 # bench needs (a Python client cannot outrun the router); installed with apt-get when absent.
