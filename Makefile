@@ -107,14 +107,17 @@ bench-vllm: install vllm
 # round-robin), and the no-sharing ablation (2 workers, share_worker_state: false), into
 # $(BENCH_OUT)/workers-{1,2,3replicas,2-noshare}/WORKLOAD. The 1-worker run measures capacity
 # (--target-load 0.8); the others replay at its rate scale, so every setup gets the same load.
+# Each bench (one workload, one setup, ~1-4 min) takes the shared bench lock; BENCH_LOCK= if
+# the caller holds it already. ~25 min in all on 2 cores.
+BENCH_LOCK ?= flock /tmp/kvr-bench.lock
 WORKER_SETUPS := "2:--router-workers 2" "3replicas:--router-replicas 3" \
   "2-noshare:--router-workers 2 --router-setting share_worker_state=false"
 define bench_workers
-	$(BIN)/kvrouter bench --out $(BENCH_OUT)/workers-1/$(1) $(2) --target-load 0.8 --policies kv_aware \
+	$(BENCH_LOCK) $(BIN)/kvrouter bench --out $(BENCH_OUT)/workers-1/$(1) $(2) --target-load 0.8 --policies kv_aware \
 	  --repeats $(REPEATS) --quiet --router-workers 1
 	rs=$$($(BIN)/python -c "import json,sys; print(json.load(open(sys.argv[1]))['meta']['rate_scale'])" \
 	  $(BENCH_OUT)/workers-1/$(1)/results.json) && for setup in $(WORKER_SETUPS); do \
-	  $(BIN)/kvrouter bench --out $(BENCH_OUT)/workers-$${setup%%:*}/$(1) $(2) --rate-scale $$rs \
+	  $(BENCH_LOCK) $(BIN)/kvrouter bench --out $(BENCH_OUT)/workers-$${setup%%:*}/$(1) $(2) --rate-scale $$rs \
 	    --policies kv_aware --repeats $(REPEATS) --quiet $${setup#*:} || exit 1; \
 	done
 endef
