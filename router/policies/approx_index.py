@@ -56,7 +56,8 @@ class ApproxPrefixIndex:
 
     def insert(self, keys: list[int], backend: str) -> None:
         """Remember that ``backend`` was just sent the chain ``keys`` (only its stored positions are kept)."""
-        self.insert_stored([keys[p] for p in _positions(len(keys))], backend)
+        if keys:  # a prompt under one block has none (_positions(0) is [0])
+            self.insert_stored([keys[p] for p in _positions(len(keys))], backend)
 
     def insert_stored(self, stored: list[int], backend: str) -> None:
         """:meth:`insert` for a chain given by its keys at the stored positions only (another
