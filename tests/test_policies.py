@@ -99,6 +99,14 @@ def test_approx_index_matches_leading_blocks_until_ttl() -> None:
     assert idx.match([1, 2, 3]) == {}
 
 
+def test_a_prompt_under_one_block_is_routed_and_remembered_as_nothing() -> None:
+    """No full block, no keys: kv_aware still decides and its commit stores nothing (a fold
+    once made this an IndexError, a 500 for every short prompt)."""
+    idx = ApproxPrefixIndex(ttl_s=10.0, max_blocks=100)
+    idx.insert([], "a")
+    assert len(idx) == 0 and idx.match([]) == {}
+
+
 def test_approx_index_is_bounded() -> None:
     idx = ApproxPrefixIndex(ttl_s=100.0, max_blocks=10)
     idx.insert(list(range(1, 500)), "a")
