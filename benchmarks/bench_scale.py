@@ -57,7 +57,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 sys.path.insert(0, str(REPO / "tests"))
 from bench_index import batches, fleet, ingest, python_bytes, start_redis  # noqa: E402
-from benchmarks.bench_throughput import tree_cpu  # noqa: E402
+from loadtest.fleet import tree_cpu  # noqa: E402
 from loadtest.fleet import FleetError  # noqa: E402
 from support import KVROUTER, QWEN3_DIR, Proc, free_port, free_ports as free_port_run, wait_http  # noqa: E402
 

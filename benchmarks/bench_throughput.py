@@ -55,7 +55,7 @@ sys.path.insert(0, str(REPO / "tests"))
 from support import KVROUTER, QWEN3_DIR, Proc, free_port, wait_http  # noqa: E402
 
 from benchmarks.instant_engine import MODEL  # noqa: E402
-from loadtest.fleet import Engine  # noqa: E402
+from loadtest.fleet import Engine, tree_cpu  # noqa: E402
 from loadtest.peer import INSTALL_HINT, VllmRouter, vllm_router_binary  # noqa: E402
 
 WRK_MISSING = ("wrk is not installed: this bench needs it (a Python client cannot outrun the router). "
@@ -92,23 +92,6 @@ class Sample:
     errors: int
     p50_ms: float
     p99_ms: float
-
-
-def tree_cpu(pid: int) -> float:
-    """User + system CPU seconds of a process and every descendant alive now."""
-    total = 0.0
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return 0.0
-    for p in procs:
-        try:
-            t = p.cpu_times()
-            total += t.user + t.system
-        except psutil.NoSuchProcess:
-            pass
-    return total
 
 
 def busy_cpu() -> float:

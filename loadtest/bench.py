@@ -66,6 +66,7 @@ from loadtest.fleet import (
     scrape,
     scrape_buckets,
     scrape_labelled,
+    tree_cpu,
 )
 from loadtest.peer import VllmRouter, parse_peers, peer_policy
 from loadtest.replay import (
@@ -268,7 +269,9 @@ def run_policy(workload: Workload, spec: FleetSpec | VllmSpec, policy: str, work
         replayer = (SpreadReplayer(router.urls, spec.model, speedup=speedup, time_scale=spec.speedup)
                     if isinstance(router, Replicas) else
                     Replayer(router.url, spec.model, speedup=speedup, time_scale=spec.speedup))
+        cpu = _CpuMeter(_pids(router), _pids(fleet))
         res = _run_with_progress(replayer, workload, sampler, label or policy, progress)
+        cpu_ms = cpu.per_request_ms(len(res.records))
         # A peer has no /debug/route, and its /metrics proxies an engine's page.
         kvrouter = isinstance(router, (Router, Replicas))
         overhead = probe_overhead(router.url, list(workload.turns()), spec.model) if kvrouter else None
@@ -301,11 +304,39 @@ def run_policy(workload: Workload, spec: FleetSpec | VllmSpec, policy: str, work
         "router_metrics": {k: v for k, v in router_metrics.items()
                            if k.startswith("kvrouter_") and not k.endswith(("_bucket", "_created"))},
         "scrape_failures": sampler.failures,
+        "cpu_ms_per_request": cpu_ms,
     }
     if isinstance(router, Replicas):
         result["replica_decisions"] = router.decisions
     write_records(res.records, workdir / f"records-{slug}.jsonl")
     return PolicyRun(result, report.PolicyTrace(policy, res.records, sampler.samples, spec.speedup))
+
+
+def _pids(proc: object) -> list[int]:
+    """The top processes of a router (its replicas) or a fleet (its servers)."""
+    children = [r.child for r in proc.routers] if isinstance(proc, Replicas) else getattr(proc, "children", None)
+    if children is None:
+        children = [getattr(proc, "child", None)]
+    return [c.popen.pid for c in children if c is not None]
+
+
+class _CpuMeter:
+    """CPU spent during a replay by the router, the engines and the bench's own client.
+
+    On a 2-core machine they compete: a router that burns more CPU per request slows the
+    simulated engines' clock, which the client's TTFT sees and the engines' own does not
+    (the bench's "clock lag"). Per request, so runs of different lengths compare."""
+
+    def __init__(self, router: list[int], engines: list[int]) -> None:
+        self.pids = {"router": router, "engines": engines}
+        self.start = self._read()
+
+    def _read(self) -> dict[str, float]:
+        return {"client": time.process_time(), **{k: sum(tree_cpu(p) for p in v) for k, v in self.pids.items()}}
+
+    def per_request_ms(self, requests: int) -> dict[str, float]:
+        end = self._read()
+        return {k: round((end[k] - self.start[k]) * 1000 / max(1, requests), 3) for k in end}
 
 
 def _fleet(spec: FleetSpec | VllmSpec, workdir: Path, live: VllmFleet | None) -> contextlib.AbstractContextManager[EngineFleet]:

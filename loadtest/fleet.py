@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Self, TypeVar
 
 import httpx
+import psutil
 import yaml
 
 from loadtest.workloads import DEFAULT_TOKENIZER
@@ -186,6 +187,24 @@ def wait_http(url: str, timeout: float = 60.0, proc: subprocess.Popen | None = N
             last = e
         time.sleep(0.1)
     raise FleetError(f"{url} not ready after {timeout:.0f}s (last: {last!r})")
+
+
+def tree_cpu(pid: int) -> float:
+    """User + system CPU seconds of a process and every descendant alive now (a router's
+    workers, a vLLM server's engine core)."""
+    total = 0.0
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
 
 
 class _Supervised:

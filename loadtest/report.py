@@ -58,7 +58,7 @@ def _f(v: float | None, fmt: str) -> str:
 
 COLUMNS = ("policy", "TTFT p50 ms", "TTFT p90 ms", "TTFT p99 ms", "engine TTFT p90 ms", "e2e p50 ms", "e2e p99 ms",
            "output tok/s",
-           "cached ratio", "ideal ratio", "max/mean load", "router overhead ms", "errors")
+           "cached ratio", "ideal ratio", "max/mean load", "router overhead ms", "router CPU ms/req", "errors")
 ORACLE_COLUMNS = ("of oracle gain", "engine: of oracle gain")
 """Shown when the bench ran the oracle: each policy's TTFT-p90 gain over round_robin as a
 fraction of the oracle's, at the client and at the engines (:func:`add_oracle_gains`)."""
@@ -160,6 +160,7 @@ def table_rows(runs: list[dict[str, Any]]) -> list[list[str]]:
             _ms(r["e2e_s"]["p50"]), _ms(r["e2e_s"]["p99"]), _f(r["output_tokens_per_s"], ",.0f"),
             _f(r["cached_ratio"], ".3f"), _f(r.get("ideal_cached_ratio"), ".3f"), _f(r.get("load_imbalance"), ".2f"),
             _f(_first(r.get("router_overhead_ms"), r.get("router_decision_probe_ms")), ".2f"),
+            _f((r.get("cpu_ms_per_request") or {}).get("router"), ".2f"),
         ]
         if oracle:
             gain = r.get("oracle_gain") or {}

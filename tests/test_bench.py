@@ -40,6 +40,9 @@ def test_results_json_has_the_contract_shape(bench_out: Path) -> None:
         assert r["requests"] == 400 and r["errors"] == 0
         assert set(r["backend_requests"]) == {f"engine-{i}" for i in range(4)}
         assert sum(r["backend_requests"].values()) == 400
+        # CPU per request of the three processes sharing the machine, each measured, not zero.
+        cpu = r["cpu_ms_per_request"]
+        assert set(cpu) == {"router", "engines", "client"} and all(v > 0 for v in cpu.values()), cpu
         # Every decision has a reason, counted by the router (the warm-up probe adds its own).
         assert sum(r["decision_reasons"].values()) >= 400
     assert set(runs[0]["decision_reasons"]) == {"round_robin"}
