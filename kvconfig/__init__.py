@@ -207,6 +207,16 @@ class RouterSettings(_Strict):
     shared_load_ttl_s: float = Field(default=1.0, gt=0)
     """How long a replica's published load outlives its last refresh: a killed replica's
     load is gone from the others' view within this."""
+    shared_decisions: bool = True
+    """Replicas sharing load through Redis (``shared_load``) also share kv_aware's and
+    prefix_approx's memory of where each prefix was just sent, over Redis pub/sub
+    (router/replica_decisions.py), so a burst on a new prefix spread over replicas lands
+    on one backend as it does on one process. ``false`` is the ablation docs/scaling.md
+    measures."""
+    shared_decisions_interval_s: float = Field(default=0.002, ge=0)
+    """After publishing its decisions, a process waits this long before the next publish
+    (what came meanwhile goes out in one message): at most 1/interval publishes a second,
+    and a lone decision goes out at once."""
 
     @field_validator("shared_load")
     @classmethod

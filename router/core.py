@@ -49,6 +49,7 @@ from router.settle import Settler
 
 if TYPE_CHECKING:
     from indexer.subscriber import StreamSpec
+    from router.replica_decisions import ReplicaDecisions
     from router.replica_load import ReplicaLoad
     from router.shared_state import Segment
 
@@ -98,6 +99,7 @@ class Router:
         self.replica = uuid.uuid4().hex[:12]
         self.segment: Segment | None = None
         self.replica_load: ReplicaLoad | None = None
+        self.replica_decisions: ReplicaDecisions | None = None
 
     def share(self, segment: Segment, worker: int, replica: str) -> None:
         """Worker ``worker`` of a ``serve --workers N`` supervisor: load and health verdicts
@@ -118,6 +120,26 @@ class Router:
                     shared.learn(rt.backends)
                     setattr(rt.policy, attr, shared)
 
+    def _share_decisions(self, url: str) -> ReplicaDecisions:
+        """The policies' memory of where they just sent each prefix, shared with the other
+        replicas through Redis (a :class:`SharedPrefixIndex` with no segment when this
+        process is not a worker of a supervisor)."""
+        from router.policies.approx_index import ApproxPrefixIndex
+        from router.replica_decisions import ReplicaDecisions
+        from router.shared_prefix import SharedPrefixIndex
+
+        decisions = ReplicaDecisions(url, self.config.index_namespace, self.replica, self.worker,
+                                     self.settings.shared_decisions_interval_s)
+        for rt in self.models:
+            for attr in ("speculative", "tree"):
+                memory = getattr(rt.policy, attr, None)
+                if type(memory) is ApproxPrefixIndex:
+                    memory = SharedPrefixIndex(memory.ttl_s, memory.max_blocks)
+                    setattr(rt.policy, attr, memory)
+                if isinstance(memory, SharedPrefixIndex):
+                    decisions.attach(rt.name, memory)
+        return decisions
+
     async def start(self) -> None:
         await self.models.load_tokenizers(self.executor)
         if self._subscribes():
@@ -126,6 +148,8 @@ class Router:
             self._follow(specs_from_config(self.config))
         else:
             await warn_if_unfilled(self.index, self.config)
+            if any(rt.has_events for rt in self.models):
+                self._tasks.append(asyncio.create_task(self._watch_index_feed()))
         self._unregister_metrics = metrics.register_fleet(
             metrics.FleetCollector(self.pool, self.loads, self.streams.stats, self.stream_registry, self.background)
         )
@@ -139,16 +163,20 @@ class Router:
                 self.loads.share(None, self.worker)
             self.replica_load = ReplicaLoad(url, self.config.index_namespace, self.replica, self.worker, self.loads,
                                             self.settings.shared_load_interval_s, self.settings.shared_load_ttl_s)
+            if self.settings.shared_decisions:
+                self.replica_decisions = self._share_decisions(url)
         for rt in self.models:
             if rt.engines is not None:
                 await rt.engines.start()
-        self._tasks = [
+        self._tasks += [
             asyncio.create_task(self.pool.health_forever(self._forget_backend)),
             asyncio.create_task(scrape_forever(self.pool, self.loads, self.settings.metrics_scrape_interval_s)),
             asyncio.create_task(self._discover_max_model_len()),
         ]
         if self.replica_load is not None:
             self._tasks.append(asyncio.create_task(self.replica_load.run_forever()))
+        if self.replica_decisions is not None:
+            self._tasks.append(asyncio.create_task(self.replica_decisions.run_forever()))
         # What exists now (the imports, the tokenizers: over a million objects) lives as long
         # as the router: out of the collector's sight, a full collection scans only what
         # routing allocates. Unfrozen, each took ~50 ms, a stall of every request in flight.
@@ -198,6 +226,8 @@ class Router:
             await asyncio.to_thread(self.streams.subscriber.stop)
         if self.replica_load is not None:
             await self.replica_load.aclose()
+        if self.replica_decisions is not None:
+            await self.replica_decisions.aclose()
         if self._unregister_metrics is not None:
             self._unregister_metrics()
         await self.pool.aclose()
@@ -296,6 +326,25 @@ class Router:
         if wanted is None:
             wanted = self.config.index == "memory"
         return wanted and any(rt.has_events for rt in self.models)
+
+    async def _watch_index_feed(self) -> None:
+        """A router that follows no event stream (``kvrouter indexer`` fills its Redis index):
+        a model counts as fed by events while the index holds blocks of its backends, so a
+        miss is a ``no_hit`` (nobody holds the prefix), not ``no_events`` (the router is
+        blind). Checked every health interval, off the request path."""
+        while True:
+            fed: set[str] = set()
+            for rt in self.models:
+                try:
+                    held = await asyncio.to_thread(self.index.block_counts, rt.name)
+                except Exception as e:  # noqa: BLE001 - Redis down: lookups fail over already; say blind
+                    log.debug("index feed check for %s failed: %r", rt.name, e)
+                    continue
+                if any(w.backend in rt.backends for w in held):
+                    fed.add(rt.name)
+            self.path.fed_models.clear()
+            self.path.fed_models.update(fed)
+            await asyncio.sleep(self.settings.health_interval_s)
 
     def _forget_backend(self, name: str) -> None:
         """An ejected backend's cache is presumed gone (restart): drop what the router knew."""

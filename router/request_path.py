@@ -26,7 +26,7 @@ of them can decide the backend, and batches usually share their prefix anyway.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from indexer.index import Index, Worker
@@ -56,6 +56,10 @@ class RequestPath:
     planner: Planner
     settler: Settler
     streams: metrics.StreamView
+    fed_models: set[str] = field(default_factory=set)
+    """Models whose index another process's subscriber fills (``kvrouter indexer`` into
+    Redis) and holds blocks of their backends: events count as connected for them
+    (kept by :meth:`router.core.Router._watch_index_feed`)."""
 
     async def decide(self, body: dict[str, Any], raw_len: int, kind: str, headers: Any, *, act: bool = False) -> Decided:
         """Stages 2-5 for a parsed body. With ``act`` (a request about to be sent) the plan
@@ -92,7 +96,7 @@ class RequestPath:
             block_size=rt.config.block_size,
             keys=plan.keys,
             session_key=session_key(body, headers, self.settings.session_header),
-            events_connected=rt.has_events and self.streams.connected(rt.backends),
+            events_connected=rt.has_events and (rt.name in self.fed_models or self.streams.connected(rt.backends)),
         )
         if rt.engines is not None:
             await rt.engines.observe(ctx, cands, plan.token_ids, body, kind)

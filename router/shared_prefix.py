@@ -20,6 +20,12 @@ A ring has one writer, so no lock: the writer stores a record's words, then adva
 cursor; a reader replays up to the cursor it read. A reader that fell a whole ring behind
 (a worker stalled for ~10,000 requests of the others) skips to the cursor: these are
 hints, and the engines' KV events soon say where the blocks really are.
+
+Across hosts (router replicas on one Redis) the same inserts go out through
+:mod:`router.replica_decisions` instead: :attr:`SharedPrefixIndex.publish` hands each
+insert's stored keys to it, and it replays the other replicas' with
+:meth:`ApproxPrefixIndex.insert_stored`. A lone router on Redis has no segment
+(``segment=None``) and shares through Redis only.
 """
 
 from __future__ import annotations
@@ -44,23 +50,31 @@ def stored_keys(keys: list[int]) -> list[int]:
 
 
 class SharedPrefixIndex(ApproxPrefixIndex):
-    """An :class:`ApproxPrefixIndex` whose inserts every worker of the host sees."""
+    """An :class:`ApproxPrefixIndex` whose inserts every worker of the host (through
+    ``segment``) and every other replica (through :attr:`publish`) sees."""
 
-    def __init__(self, ttl_s: float, max_blocks: int, segment: Segment, worker: int, slot_of: Callable[[str], int],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, ttl_s: float, max_blocks: int, segment: Segment | None = None, worker: int = 0,
+                 slot_of: Callable[[str], int] | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__(ttl_s, max_blocks, clock)
         self.segment = segment
         self.worker = worker
         self._slot_of = slot_of
         self._names: dict[int, str] = {}
         self._slots: dict[str, int] = {}
-        self._read = [segment.uwords[segment.ring(w)] for w in range(segment.n_workers)]
+        self._read = [] if segment is None else [segment.uwords[segment.ring(w)] for w in range(segment.n_workers)]
         """Per worker, how many words of its ring this worker has replayed."""
+        self.publish: Callable[[list[int], str], None] | None = None
+        """Hands each insert's stored keys and backend to the other replicas (set by
+        :class:`router.replica_decisions.ReplicaDecisions`)."""
 
     def insert(self, keys: list[int], backend: str) -> None:
         super().insert(keys, backend)
         if self.ttl_s > 0 and keys:
-            self._append(stored_keys(keys), backend)
+            stored = stored_keys(keys)
+            if self.segment is not None:
+                self._append(stored, backend)
+            if self.publish is not None:
+                self.publish(stored, backend)
 
     def match(self, keys: list[int]) -> dict[str, int]:
         self.catch_up()
@@ -71,6 +85,7 @@ class SharedPrefixIndex(ApproxPrefixIndex):
         return super().__len__()
 
     def _append(self, stored: list[int], backend: str) -> None:
+        assert self.segment is not None and self._slot_of is not None
         slot = self._slots.get(backend)
         if slot is None:
             slot = self._slots[backend] = self._slot_of(backend)
@@ -91,6 +106,8 @@ class SharedPrefixIndex(ApproxPrefixIndex):
     def catch_up(self) -> None:
         """Replay what the other workers inserted since this worker last looked."""
         seg = self.segment
+        if seg is None:
+            return
         u = seg.uwords
         for w in range(seg.n_workers):
             if w == self.worker:
@@ -114,5 +131,7 @@ class SharedPrefixIndex(ApproxPrefixIndex):
 
     def learn(self, names: list[str]) -> None:
         """The backends this worker may see in the rings (its config's, again after a reload)."""
+        if self._slot_of is None:
+            return
         self._slots = {n: self._slot_of(n) for n in names}
         self._names = {slot: n for n, slot in self._slots.items()}

@@ -1,0 +1,175 @@
+"""Router replicas on one Redis decide as one process (issue 16, issue 17 §5).
+
+Real processes on loopback: ``kvrouter serve`` replicas (one process each), simulated
+engines (``kvrouter sim``), a real ``redis-server`` and, for the index, ``kvrouter indexer``.
+The replicas share kv_aware's memory of where it just sent each prefix through Redis
+pub/sub (router/replica_decisions.py); these tests hold them to what that promises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import random
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+import yaml
+
+from support import KVROUTER, Proc, free_port, wait_for, wait_http
+from test_workers import MODEL, model, prefix_burst, sim_backend
+
+pytestmark = pytest.mark.slow
+
+
+class Replica:
+    """One ``kvrouter serve`` (a single process) on a free port; :func:`start` waits for it."""
+
+    def __init__(self, config: dict[str, Any], tmp: Path, name: str) -> None:
+        self.port = free_port()
+        path = tmp / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(config))
+        self.proc = Proc(KVROUTER + ["serve", "--config", str(path), "--port", str(self.port), "--workers", "1"],
+                         tmp / f"{name}.log")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def route(self, prompt: str) -> dict[str, Any]:
+        r = httpx.post(self.url + "/debug/route", json={"model": MODEL, "prompt": prompt, "max_tokens": 4}, timeout=10)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+
+def start(config: dict[str, Any], tmp: Path, n: int, tag: str) -> list[Replica]:
+    """``n`` replicas started together (their tokenizers load in parallel)."""
+    replicas = [Replica(config, tmp, f"{tag}{i}") for i in range(n)]
+    try:
+        for r in replicas:
+            wait_http(r.url + "/health", timeout=120, proc=r.proc.popen)
+    except BaseException:
+        for r in replicas:
+            r.proc.stop()
+        raise
+    return replicas
+
+
+async def round_robin_burst(urls: list[str], n: int, seed: int) -> list[str]:
+    """:func:`test_workers.prefix_burst` with request ``i`` sent to replica ``i % len(urls)``."""
+    prefix = f"system {seed} " + "shared context words go here " * 60
+
+    async def one(i: int) -> str:
+        async with httpx.AsyncClient(timeout=60) as c:
+            r = await c.post(urls[i % len(urls)] + "/v1/completions",
+                             json={"model": MODEL, "prompt": prefix + f" question {i}?", "max_tokens": 4})
+            assert r.status_code == 200, r.text
+            return r.headers["x-kvrouter-backend"]
+
+    first = asyncio.ensure_future(one(0))
+    await asyncio.sleep(0.05)
+    rest = await asyncio.gather(*(one(i) for i in range(1, n)))
+    return [await first, *rest]
+
+
+def replica_config(sim: Any, redis_url: str, *, shared_decisions: bool, events: bool = True) -> dict[str, Any]:
+    backends = [sim_backend(sim, i) if events else {"name": f"sim{i}", "url": sim.http(i)} for i in range(sim.instances)]
+    return {"models": [model(*backends)], "index": "memory", "index_namespace": f"rd-{random.randrange(1 << 30)}",
+            "router": {"shared_load": redis_url, "shared_decisions": shared_decisions, "health_interval_s": 0.5}}
+
+
+def stragglers(sim: Any, redis_url: str, tmp: Path, *, shared_decisions: bool, bursts: int) -> tuple[int, list[list[int]]]:
+    """Requests of ``bursts`` round-robin bursts of 9 that did not follow their burst's majority."""
+    replicas = start(replica_config(sim, redis_url, shared_decisions=shared_decisions, events=False), tmp, 3,
+                     "shared" if shared_decisions else "alone")
+    try:
+        spreads = []
+        for _ in range(bursts):
+            landed = asyncio.run(round_robin_burst([r.url for r in replicas], 9, seed=random.randrange(1 << 30)))
+            spreads.append(sorted(collections.Counter(landed).values()))
+    finally:
+        for r in replicas:
+            r.proc.stop()
+    return sum(sum(s[:-1]) for s in spreads), spreads
+
+
+def test_a_burst_on_a_new_prefix_round_robin_over_3_replicas_lands_on_one_backend(sim_fleet: Any, redis_url: str,
+                                                                                   tmp_path: Path) -> None:
+    """A burst sharing a new prefix, its first request to replica 0 and the rest spread
+    round-robin over 3 replicas while that first one is still in prefill, lands on one
+    backend, as one process sends it. The same burst without shared decision memory is
+    split: each replica sends its share wherever it chose first (a third of a chance each
+    to agree with replica 0). The engines' KV events are left out: the decision memory is
+    then the only thing that says where the prefix went, which is what this test is about
+    (with events, a follower that sees the blocks indexed while the first request has not
+    yet answered is charged its whole prefill as queue and may go elsewhere, in one
+    process too: a matter of kv_aware's cost, not of sharing)."""
+    sim = sim_fleet("--speedup", "1", instances=3)
+    shared, spreads = stragglers(sim, redis_url, tmp_path, shared_decisions=True, bursts=4)
+    alone, alone_spreads = stragglers(sim, redis_url, tmp_path, shared_decisions=False, bursts=4)
+    # One straggler in four bursts is allowed on a machine loaded by other jobs (see
+    # test_workers' burst test); without the sharing ~5 of every 9 requests stray.
+    assert shared <= 1, spreads
+    assert alone >= 4, alone_spreads
+
+
+def test_a_dead_replicas_decisions_expire_within_the_ttl(sim_fleet: Any, redis_url: str, tmp_path: Path) -> None:
+    """Replica b learns where replica a just sent a new prefix, and forgets it within
+    speculative_ttl_s of a's death; Redis keeps nothing of it (pub/sub stores no message)."""
+    sim = sim_fleet("--speedup", "1000", instances=2)
+    config = replica_config(sim, redis_url, shared_decisions=True, events=False)
+    config["router"]["weights"] = {"speculative_ttl_s": 1.0}
+    a, b = start(config, tmp_path, 2, "ttl")
+    try:
+        prompt = f"system {random.randrange(1 << 30)} " + "a long shared context " * 60
+        assert all(c["speculative_blocks"] == 0 for c in b.route(prompt)["candidates"])
+        r = httpx.post(a.url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 4}, timeout=30)
+        assert r.status_code == 200, r.text
+        sent_at = time.monotonic()
+        chosen = r.headers["x-kvrouter-backend"]
+
+        def remembered() -> int:
+            return next(c["speculative_blocks"] for c in b.route(prompt)["candidates"] if c["backend"] == chosen)
+
+        wait_for(lambda: remembered() > 0, "replica b to learn a's decision", timeout=1.0)
+        assert b.route(prompt)["backend"] == chosen
+        a.proc.popen.send_signal(signal.SIGKILL)
+        wait_for(lambda: remembered() == 0, "a's decision to expire in b", timeout=3)
+        assert time.monotonic() - sent_at <= 1.0 + 0.5, "b remembered a dead replica's decision past the TTL"
+        namespace = config["index_namespace"]
+        assert not redis.Redis.from_url(redis_url).keys(f"{namespace}:decisions*")
+    finally:
+        a.proc.stop()
+        b.proc.stop()
+
+
+def test_a_miss_on_an_indexer_fed_redis_index_is_no_hit(sim_fleet: Any, redis_url: str, tmp_path: Path) -> None:
+    """A router reading a Redis index that ``kvrouter indexer`` fills follows no event stream
+    itself; once the index holds blocks of its backends, a prefix nobody holds is a
+    ``no_hit``, not ``no_events`` (the router is not blind)."""
+    sim = sim_fleet("--speedup", "1000", instances=2)
+    namespace = f"rd-{random.randrange(1 << 30)}"
+    config = {"models": [model(sim_backend(sim, 0), sim_backend(sim, 1))], "index": redis_url,
+              "index_namespace": namespace, "router": {"health_interval_s": 0.3}}
+    path = tmp_path / "indexer.yaml"
+    path.write_text(yaml.safe_dump(config))
+    port = free_port()
+    with Proc([*KVROUTER, "indexer", "--config", str(path), "--port", str(port)], tmp_path / "indexer.log") as indexer:
+        wait_http(f"http://127.0.0.1:{port}/health", timeout=60, proc=indexer.popen)
+        (router,) = start(config, tmp_path, 1, "fed")
+        try:
+            cold = "a prompt nobody has sent " * 40
+            assert router.route(cold)["reason"] == "no_events"  # the index holds nothing yet
+            r = httpx.post(router.url + "/v1/completions",
+                           json={"model": MODEL, "prompt": "warm the cache " * 40, "max_tokens": 4}, timeout=30)
+            assert r.status_code == 200, r.text
+            wait_for(lambda: router.route(cold + " again")["reason"] == "no_hit", "the router to see the indexer's feed",
+                     timeout=5)
+            assert router.route(cold + " again")["events_connected"] is True
+        finally:
+            router.proc.stop()
