@@ -172,6 +172,8 @@ class FleetCollector(Collector):
             "waiting": GaugeMetricFamily("kvrouter_backend_scraped_waiting", "vllm:num_requests_waiting as last scraped", labels=["backend"]),
             "running": GaugeMetricFamily("kvrouter_backend_scraped_running", "vllm:num_requests_running as last scraped", labels=["backend"]),
             "usage": GaugeMetricFamily("kvrouter_backend_scraped_kv_cache_usage", "vllm:kv_cache_usage_perc as last scraped", labels=["backend"]),
+            "unseen": GaugeMetricFamily("kvrouter_backend_scraped_unseen_requests",
+                                        "Requests the last scrape saw on the engine beyond this router's own (other clients)", labels=["backend"]),
         }
         for name, b in self.pool.backends.items():
             fams["healthy"].add_metric([name], 1.0 if b.routable else 0.0)
@@ -182,6 +184,7 @@ class FleetCollector(Collector):
             fams["prefill"].add_metric([name], float(load.prefill_tokens))
             fams["decode"].add_metric([name], float(load.decode_seqs))
             fams["blocks"].add_metric([name], float(load.active_blocks))
+            fams["unseen"].add_metric([name], load.scraped_unseen)
             for key, value in (("waiting", load.scraped_waiting), ("running", load.scraped_running), ("usage", load.scraped_kv_usage)):
                 if value is not None:
                     fams[key].add_metric([name], value)

@@ -45,11 +45,12 @@ HEADER_WORDS = 16
 H_MAGIC, H_LAYOUT, H_WORKERS, H_SLOTS, H_RESTARTS = range(5)
 MAX_BACKENDS = 512
 """Slots: backends ever configured over the supervisor's life (reloads included)."""
-HEALTH_WORDS = 8
-V_STATE, V_VERSION, V_EJECTIONS, V_REFUSED, V_WAITING, V_RUNNING, V_USAGE, V_SCRAPED_MS = range(HEALTH_WORDS)
+HEALTH_WORDS = 9
+V_STATE, V_VERSION, V_EJECTIONS, V_REFUSED, V_WAITING, V_RUNNING, V_USAGE, V_UNSEEN, V_SCRAPED_MS = range(HEALTH_WORDS)
 """Per slot: the health verdict, then the leader's last scrape of the engine's gauges
-(fixed point: waiting and running in thousandths, KV usage in millionths; -1 when the
-scrape had no value; the time in ms, 0 when the last scrape failed)."""
+(fixed point: waiting, running and the requests beyond the router's own count in
+thousandths, KV usage in millionths; -1 when the scrape had no value; the time in ms, 0
+when the last scrape failed)."""
 _NONE = -1
 ROW_WORDS = 8
 """A load row is 5 counters padded to 64 bytes, one cache line."""
@@ -203,21 +204,22 @@ class Segment:
 
     # the leader's scrapes of each engine's gauges
     def set_scraped(self, slot: int, waiting: float | None, running: float | None, usage: float | None,
-                    at: float | None) -> None:
+                    unseen: float, at: float | None) -> None:
         h = self._health(slot)
         w = self.words
         w[h + V_WAITING] = _NONE if waiting is None else round(waiting * 1000)
         w[h + V_RUNNING] = _NONE if running is None else round(running * 1000)
         w[h + V_USAGE] = _NONE if usage is None else round(usage * 1e6)
+        w[h + V_UNSEEN] = round(unseen * 1000)
         w[h + V_SCRAPED_MS] = 0 if at is None else round(at * 1000)
 
-    def scraped(self, slot: int) -> tuple[float | None, float | None, float | None, float | None]:
-        """``(waiting, running, kv_usage, scraped_at)`` as the leader last published them."""
+    def scraped(self, slot: int) -> tuple[float | None, float | None, float | None, float, float | None]:
+        """``(waiting, running, kv_usage, unseen, scraped_at)`` as the leader last published them."""
         h = self._health(slot)
         w = self.words
         waiting, running, usage, at = w[h + V_WAITING], w[h + V_RUNNING], w[h + V_USAGE], w[h + V_SCRAPED_MS]
         return (None if waiting == _NONE else waiting / 1000, None if running == _NONE else running / 1000,
-                None if usage == _NONE else usage / 1e6, at / 1000 if at else None)
+                None if usage == _NONE else usage / 1e6, w[h + V_UNSEEN] / 1000, at / 1000 if at else None)
 
     # workers and the supervisor
     def _worker(self, worker: int) -> int:

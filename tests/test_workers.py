@@ -285,6 +285,7 @@ def test_one_health_decision_per_backend(tmp_path: Path) -> None:
             rate = (a.scrapes - scraped) / took
             assert 1.0 <= rate <= 3.0, f"{rate:.1f} scrapes/s at a 0.5 s interval: expected ~2 (one scraper)"
             router.each_worker(lambda d: all(x["load"]["scraped_waiting"] == 3.0 and x["load"]["scraped_running"] == 1.0
+                                             and x["load"]["scraped_unseen"] == 4.0
                                              for x in d["backends"]), "every worker to see the scraped gauges")
 
             def health(name: str) -> Callable[[dict[str, Any]], bool | None]:
