@@ -27,9 +27,19 @@ Three measurements, each a subcommand (run them under ``flock /tmp/kvr-bench.loc
   by load). Prints how many prefix bursts were split and the mean max/mean ratio of
   requests per backend of each burst.
 
+``decisions``: the Redis mechanism that carries decision memory between replicas
+  (router/replica_decisions.py), pub/sub (``PUBLISH``, a subscriber connection) against
+  a stream (``XADD MAXLEN ~``, a reader blocked in ``XREAD``). A sender process sends
+  ``--messages`` messages of ``--records`` records (one decision each: a backend name and
+  ``--keys`` stored keys, the shape the router publishes) every ``--gap-ms``; a receiver
+  process decodes each and notes when it arrived. Prints the propagation delay (send to
+  decoded, p50/p99), redis-server's CPU per message and the memory Redis holds after,
+  interleaved rounds, medians.
+
     .venv/bin/python benchmarks/bench_workers.py accept [--rounds 5]
     .venv/bin/python benchmarks/bench_workers.py path [--rounds 5] [--requests 40]
     .venv/bin/python benchmarks/bench_workers.py ablation [--rounds 5] [--workers 2,4]
+    .venv/bin/python benchmarks/bench_workers.py decisions [--rounds 5] [--messages 2000]
 """
 
 from __future__ import annotations
@@ -275,6 +285,118 @@ def ablation(args: argparse.Namespace) -> None:
         sim.wait(30)
 
 
+def _receive(url: str, mode: str, key: str, n: int, ready: Any, out: Any) -> None:
+    """The receiving replica (a process of its own): decode ``n`` messages, report each delay."""
+    import msgspec
+    import redis.asyncio as aredis
+
+    decode = msgspec.msgpack.Decoder().decode
+
+    async def run() -> list[float]:
+        r = aredis.Redis.from_url(url)
+        delays: list[float] = []
+        if mode == "pubsub":
+            ps = r.pubsub(ignore_subscribe_messages=True)
+            await ps.subscribe(key)
+            ready.set()
+            async for m in ps.listen():
+                delays.append(time.time() - decode(m["data"])[1])
+                if len(delays) == n:
+                    break
+            await ps.aclose()
+        else:
+            last = "$"
+            ready.set()
+            while len(delays) < n:
+                for _, entries in await r.xread({key: last}, block=0, count=256):
+                    for entry_id, fields in entries:
+                        last = entry_id
+                        delays.append(time.time() - decode(fields[b"m"])[1])
+        await r.aclose()
+        return delays
+
+    out.put(asyncio.run(run()))
+
+
+def _redis_cpu(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def decisions(args: argparse.Namespace) -> None:
+    import multiprocessing
+    import shutil
+
+    import msgspec
+    import redis
+    import redis.asyncio as aredis
+
+    port = _free_ports(1)
+    workdir = Path(tempfile.mkdtemp(prefix="bench-decisions-"))
+    server = subprocess.Popen([shutil.which("redis-server") or "redis-server", "--port", str(port), "--bind", "127.0.0.1",
+                               "--save", "", "--appendonly", "no", "--dir", str(workdir)],
+                              stdout=open(workdir / "redis.log", "wb"), stderr=subprocess.STDOUT)
+    url = f"redis://127.0.0.1:{port}/0"
+    sync = redis.Redis.from_url(url)
+    for _ in range(100):
+        try:
+            sync.ping()
+            break
+        except redis.ConnectionError:
+            time.sleep(0.05)
+    rng = random.Random(args.seed)
+    encode = msgspec.msgpack.Encoder().encode
+    results: dict[str, dict[str, list[float]]] = {}
+    ctx = multiprocessing.get_context("spawn")
+    try:
+        for r in range(args.rounds):
+            for mode in ("pubsub", "stream") if r % 2 == 0 else ("stream", "pubsub"):
+                key = f"bench:{mode}:{r}"
+                ready, out = ctx.Event(), ctx.Queue()
+                receiver = ctx.Process(target=_receive, args=(url, mode, key, args.messages, ready, out))
+                receiver.start()
+                ready.wait(30)
+                time.sleep(0.2)
+                mem0 = sync.info("memory")["used_memory"]
+                cpu0 = _redis_cpu(server.pid)
+
+                async def send() -> None:
+                    a = aredis.Redis.from_url(url)
+                    for i in range(args.messages):
+                        records = [("qwen3", f"engine-{rng.randrange(8)}", [rng.getrandbits(63) for _ in range(args.keys)])
+                                   for _ in range(args.records)]
+                        payload = encode(["bench/0", time.time(), records])
+                        if mode == "pubsub":
+                            await a.publish(key, payload)
+                        else:
+                            await a.xadd(key, {"m": payload}, maxlen=args.maxlen, approximate=True)
+                        await asyncio.sleep(args.gap_ms / 1000)
+                    await a.aclose()
+
+                asyncio.run(send())
+                delays = sorted(out.get(timeout=60))
+                receiver.join(10)
+                cpu = _redis_cpu(server.pid) - cpu0
+                mem = sync.info("memory")["used_memory"] - mem0
+                sync.delete(key)
+                res = results.setdefault(mode, {"p50": [], "p99": [], "cpu": [], "mem": []})
+                res["p50"].append(delays[len(delays) // 2] * 1e3)
+                res["p99"].append(delays[int(len(delays) * 0.99)] * 1e3)
+                res["cpu"].append(cpu / args.messages * 1e6)
+                res["mem"].append(mem / 1024)
+                print(f"round {r + 1} {mode:7} p50 {res['p50'][-1]:.3f} ms  p99 {res['p99'][-1]:.3f} ms  "
+                      f"redis {res['cpu'][-1]:.1f} µs/message  memory held {res['mem'][-1]:.0f} KiB", flush=True)
+        print(f"\nmedians of {args.rounds} rounds; {args.messages} messages of {args.records} records x {args.keys} keys, "
+              f"one every {args.gap_ms} ms (stream MAXLEN ~ {args.maxlen})")
+        for mode, res in results.items():
+            print(f"  {mode:7} delay p50 {statistics.median(res['p50']):.3f} ms, p99 {statistics.median(res['p99']):.3f} ms; "
+                  f"redis-server {statistics.median(res['cpu']):.1f} µs per message; "
+                  f"memory held after {statistics.median(res['mem']):.0f} KiB")
+    finally:
+        server.terminate()
+        server.wait(10)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -294,8 +416,16 @@ def main() -> None:
     b.add_argument("--speedup", type=float, default=1.0)
     b.add_argument("--engines", type=int, default=2)
     b.add_argument("--seed", type=int, default=7)
+    d = sub.add_parser("decisions")
+    d.add_argument("--rounds", type=int, default=5)
+    d.add_argument("--messages", type=int, default=2000)
+    d.add_argument("--records", type=int, default=2)
+    d.add_argument("--keys", type=int, default=8)
+    d.add_argument("--gap-ms", type=float, default=2.0)
+    d.add_argument("--maxlen", type=int, default=10_000)
+    d.add_argument("--seed", type=int, default=7)
     args = ap.parse_args()
-    {"accept": accept, "path": path, "ablation": ablation}[args.cmd](args)
+    {"accept": accept, "path": path, "ablation": ablation, "decisions": decisions}[args.cmd](args)
 
 
 if __name__ == "__main__":
