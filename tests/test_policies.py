@@ -182,10 +182,17 @@ def test_kv_aware_reasons_without_hits() -> None:
     assert kv().choose(ctx(200, events=True), fleet(4)).reason == "no_hit"
 
 
-def test_kv_aware_ties_do_not_always_pick_the_first_backend() -> None:
+def test_kv_aware_ties_spread_unrelated_prompts_and_agree_across_processes() -> None:
+    """Ties break by the first block key: prompts of different prefixes spread over every
+    backend, and two independent deciders (two workers, two replicas) put the same new
+    prefix on the same backend."""
     p = KvAware(KvAwareWeights(), 1000)
-    picks = Counter(p.choose(ctx(64), fleet(4)).backend for _ in range(200))
-    assert len(picks) == 4
+    picks = Counter(p.choose(ctx(64, keys=[k, k + 1, k + 2, k + 3]), fleet(4)).backend for k in range(0, 800, 4))
+    assert len(picks) == 4 and min(picks.values()) >= 25, picks
+    for k in range(0, 400, 4):
+        a = KvAware(KvAwareWeights(), 1000, random.Random(1)).choose(ctx(64, keys=[k, 7, 8, 9]), fleet(4))
+        b = KvAware(KvAwareWeights(), 1000, random.Random(2)).choose(ctx(64, keys=[k, 5, 6]), fleet(4))
+        assert a.backend == b.backend, k
 
 
 def test_kv_aware_load_outweighs_a_small_hit() -> None:

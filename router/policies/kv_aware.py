@@ -31,8 +31,12 @@ tokens) to backend ``b``, lower is better, in KV blocks::
 This is Dynamo's KV router shape (``overlap_weight · prefill_blocks + decode_blocks``)
 with tier weights and the in-flight-prefix correction added.
 
-Choice: the lowest cost, ties broken at random; with ``temperature > 0`` a softmax over
-costs normalised to [0, 1] samples instead (spreads load across near-equal backends).
+Choice: the lowest cost. Ties are broken by a hash of the request's first block key and the
+backend's name, the same in every worker and replica: two processes deciding the first
+requests of a burst on a new prefix at the same instant, before either sees the other's
+decision, pick the same backend instead of a random one each (requests of unrelated
+prefixes still spread). With ``temperature > 0`` a softmax over costs normalised to [0, 1]
+samples instead (spreads load across near-equal backends).
 
 Imbalance guard: a prefix shared by *every* request (a Mooncake trace's first block, a
 fleet-wide system prompt) gives whichever backend saw it first a small but constant
@@ -53,10 +57,13 @@ from __future__ import annotations
 
 import math
 import random
+import zlib
 
 from router.config import KvAwareWeights
 from router.policies.approx_index import ApproxPrefixIndex
 from router.policies.base import Candidate, Decision, RequestCtx, healthy, mark_unroutable
+
+_M64 = (1 << 64) - 1
 
 
 class KvAware:
@@ -66,6 +73,18 @@ class KvAware:
         self.w = weights
         self.speculative = ApproxPrefixIndex(weights.speculative_ttl_s, max_blocks)
         self._rng = rng or random.Random()
+        self._salts: dict[str, int] = {}
+
+    def _tie(self, backend: str, key: int) -> int:
+        """A tie-break rank every process computes alike (``hash(str)`` is salted per
+        process): splitmix64's finaliser over the key and a per-backend salt."""
+        salt = self._salts.get(backend)
+        if salt is None:
+            salt = self._salts[backend] = zlib.crc32(backend.encode())
+        x = (key ^ (salt << 32 | salt)) & _M64
+        x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _M64
+        x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _M64
+        return x ^ (x >> 31)
 
     def choose(self, ctx: RequestCtx, candidates: list[Candidate]) -> Decision:
         w = self.w
@@ -85,7 +104,12 @@ class KvAware:
                        + w.context * (c.load.context_blocks + n_blocks))
         mark_unroutable(candidates)
         pool = healthy(candidates)
-        ranked = sorted(pool, key=lambda c: (c.score, self._rng.random()))
+        ranked = sorted(pool, key=lambda c: c.score)
+        if len(ranked) > 1 and ranked[1].score == ranked[0].score:
+            first = ctx.keys[0] if ctx.keys else self._rng.getrandbits(64)
+            tied = [c for c in ranked if c.score == ranked[0].score]
+            tied.sort(key=lambda c: self._tie(c.backend, first))
+            ranked[:len(tied)] = tied
         best = self._sample(ranked) if w.temperature > 0 and len(ranked) > 1 else ranked[0]
 
         guard = self._guard(best, pool, n, cap, bs)
