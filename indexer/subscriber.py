@@ -69,6 +69,7 @@ from indexer.events import (
     parse_pub_frames,
     parse_replay_reply,
 )
+from indexer.heap import trim
 from indexer.index import Index, Worker
 
 if TYPE_CHECKING:
@@ -81,6 +82,11 @@ log = logging.getLogger(__name__)
 _NEVER = float("inf")
 _RECENT_MAX = 4096
 """Applied batches remembered (seq -> hash of payload) to tell duplicates from restarts."""
+TRIM_AFTER_MSGS = 1000
+"""A replay that held at least this many batches (~1 MB), or any re-sync from seq 0, ends
+with the freed heap pages given back to the OS (:mod:`indexer.heap`: without it the
+process keeps each burst's high-water mark resident). Probes and short gap replays, the
+frequent ones, do not pay for a trim (a few ms of the allocator's locks)."""
 
 
 @dataclass(frozen=True)
@@ -218,6 +224,11 @@ class _Metrics:
             registry=registry,
         )
         self.connected = Gauge("kvrouter_kv_stream_connected", "1 while the event stream is connected", labels, registry=registry)
+        self.heap_trims = Counter(
+            "kvrouter_kv_event_heap_trims", "Heap trims after a large replay, by outcome (released: pages went back "
+            "to the OS; none: nothing to give back; unsupported: no malloc_trim in this C library)", ["outcome"],
+            registry=registry,
+        )
 
 
 @dataclass
@@ -632,6 +643,14 @@ class FleetSubscriber:
     def _finish_replay(self, st: _Stream, *, timed_out: bool) -> None:
         r = st.replay
         assert r is not None
+        burst = r.reason == "sync" or len(r.msgs) >= TRIM_AFTER_MSGS
+        self._settle_replay(st, r, timed_out=timed_out)
+        if burst and st.replay is None:  # a follow-up replay holds the rest: it trims when it ends
+            released = trim()
+            self._metrics.heap_trims.labels("unsupported" if released is None else "released" if released else "none").inc()
+
+    def _settle_replay(self, st: _Stream, r: _Replay, *, timed_out: bool) -> None:
+        """Apply what a finished replay brought, or ask again for what it could not."""
         st.replay = None
         msgs = r.msgs
         if r.reason == "probe" and timed_out:
