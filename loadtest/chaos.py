@@ -625,6 +625,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup-s", type=float, default=None, help="soak: samples before this are left out of the fits")
     p.add_argument("--hash-cache-blocks", type=int, default=None,
                    help="soak: the router's hash_cache_blocks (default 32768, filled within the warm-up; 0: the router's default)")
+    p.add_argument("--eject-every", type=float, default=None, metavar="SECONDS",
+                   help="soak: pause an engine (SIGSTOP, the engines in turn) this often, long enough to be ejected")
+    p.add_argument("--chat", action="store_true", help="soak: the workload as chat messages in text (default: token ids)")
     p.add_argument("--replicas", action="store_true", help="1 vs 3 routers on a Redis index instead (issue 17 §5)")
     p.add_argument("--max-requests", type=int, default=600, help="--replicas: requests per run")
     p.add_argument("--repeats", type=int, default=3, help="--replicas: interleaved rounds (medians reported)")
@@ -645,7 +648,9 @@ def run(args: argparse.Namespace) -> int:
 
         soak = SoakOptions(out=out, seconds=args.soak, sample_s=args.sample_s, seed=args.seed, quiet=args.quiet,
                            speedup=args.speedup or 1.0, target_load=args.target_load or 0.8,
-                           rate_scale=args.rate_scale, warmup_s=args.warmup_s)
+                           rate_scale=args.rate_scale, warmup_s=args.warmup_s, eject_every_s=args.eject_every)
+        if args.chat:
+            soak.workload = replace(soak.workload, form="chat")
         if args.hash_cache_blocks is not None:
             soak.hash_cache_blocks = args.hash_cache_blocks or None
         run_soak(soak)

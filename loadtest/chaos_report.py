@@ -122,6 +122,7 @@ def write_soak_report(doc: dict[str, Any], out: Path) -> None:
         soak_table(doc),
         "",
         *_soak_fill_lines(doc),
+        *_soak_forced_lines(doc),
         *_soak_step_lines(doc),
         "![soak](soak.png)",
         "",
@@ -144,6 +145,15 @@ def _soak_fill_lines(doc: dict[str, Any]) -> list[str]:
     if not doc.get("slopes_after_fill"):
         return [line + ", within the warm-up: the fits see it at its bound.", ""]
     return [line + ", after the warm-up; fitted from then:", "", soak_table(doc, "slopes_after_fill"), ""]
+
+
+def _soak_forced_lines(doc: dict[str, Any]) -> list[str]:
+    """The ejections ``--eject-every`` forced (engine paused), when any."""
+    forced = doc["meta"].get("forced_ejections")
+    if not forced:
+        return []
+    at = ", ".join(f"{f['engine']} at {f['t']:.0f} s" for f in forced)
+    return [f"{len(forced)} ejections forced (each engine in turn paused with SIGSTOP): {at}.", ""]
 
 
 def _soak_step_lines(doc: dict[str, Any]) -> list[str]:

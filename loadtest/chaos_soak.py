@@ -34,7 +34,9 @@ would have to come in jumps of ``STEP_MB`` each, and the steps' total is printed
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
+import signal
 import threading
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -85,6 +87,11 @@ class SoakOptions:
     """The router's ``hash_cache_blocks``; None: the router's default."""
     spec: FleetSpec = field(default_factory=lambda: FleetSpec(backends=4, sim_args=list(SOAK_SIM_ARGS)))
     workload: MixedSpec = field(default_factory=chaos_spec)
+    eject_every_s: float | None = None
+    """Force an ejection this often (the engines in turn paused with SIGSTOP for
+    ``eject_pause_s``): what each ejection, purge and re-sync costs shows in the fits.
+    None: no fault, the plain soak."""
+    eject_pause_s: float = 8.0
 
 
 def _scrape_runtime(client: httpx.Client, url: str) -> dict[str, float]:
@@ -223,7 +230,23 @@ def run_soak(opt: SoakOptions) -> dict[str, Any]:
             stop.wait(opt.seconds)
             traffic.stop()
 
+        forced: list[dict[str, Any]] = []
+        meta["forced_ejections"] = forced
+
+        def ejector() -> None:
+            assert opt.eject_every_s is not None
+            for k in itertools.count():
+                if stop.wait(opt.eject_every_s):
+                    return
+                p = env.fleet.procs[k % len(env.fleet.procs)]
+                forced.append({"t": traffic.now(), "engine": p.name})
+                p.signal(signal.SIGSTOP)
+                stop.wait(opt.eject_pause_s)
+                p.signal(signal.SIGCONT)
+
         threads = [threading.Thread(target=sampler, daemon=True), threading.Thread(target=timer, daemon=True)]
+        if opt.eject_every_s is not None:
+            threads.append(threading.Thread(target=ejector, daemon=True))
         for th in threads:
             th.start()
         with Progress(TextColumn("[bold]soak"), BarColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
