@@ -262,6 +262,8 @@ class _Stream:
         self.was_connected = False
         self.disconnected_since: float | None = None
         self.resync_at: float | None = None
+        self.owes_trim = False
+        """A large replay ended while a follow-up replay still held its rest: trim after that one."""
 
 
 class FleetSubscriber:
@@ -643,9 +645,10 @@ class FleetSubscriber:
     def _finish_replay(self, st: _Stream, *, timed_out: bool) -> None:
         r = st.replay
         assert r is not None
-        burst = r.reason == "sync" or len(r.msgs) >= TRIM_AFTER_MSGS
+        st.owes_trim = st.owes_trim or r.reason == "sync" or len(r.msgs) >= TRIM_AFTER_MSGS
         self._settle_replay(st, r, timed_out=timed_out)
-        if burst and st.replay is None:  # a follow-up replay holds the rest: it trims when it ends
+        if st.owes_trim and st.replay is None:  # a follow-up replay holds the rest: trim once it ends
+            st.owes_trim = False
             released = trim()
             self._metrics.heap_trims.labels("unsupported" if released is None else "released" if released else "none").inc()
 
