@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import xxhash
-from prometheus_client import Counter
+from prometheus_client import Counter, Gauge
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,13 @@ SEGMENT_TOKENS = Counter(
     "kvrouter_tokenizer_segment_tokens_total",
     "Prompt tokens served by the segment path, by whether their segment was cached",
     ["model", "result"],
+)
+
+CACHE_TOKENS = Gauge(
+    "kvrouter_tokenizer_segment_cache_tokens",
+    "Token ids the segment cache holds (bounded by DEFAULT_SEGMENT_CACHE_TOKENS; ~35 bytes each)",
+    ["model"],
+    multiprocess_mode="livesum",
 )
 
 DEFAULT_SEGMENT_CACHE_TOKENS = 8_000_000
@@ -92,11 +99,13 @@ class SegmentCache:
     cached lists are never mutated after insertion (callers copy by ``extend``).
     """
 
-    def __init__(self, max_tokens: int = DEFAULT_SEGMENT_CACHE_TOKENS) -> None:
+    def __init__(self, max_tokens: int = DEFAULT_SEGMENT_CACHE_TOKENS, model: str | None = None) -> None:
         self.max_tokens = max_tokens
         self._entries: OrderedDict[int, list[int]] = OrderedDict()
         self._tokens = 0
         self._lock = threading.Lock()
+        self._gauge = CACHE_TOKENS.labels(model) if model is not None else None
+        """The fill, for a soak to tell a cache filling toward its bound from a leak."""
 
     def get(self, key: int) -> list[int] | None:
         with self._lock:
@@ -121,11 +130,15 @@ class SegmentCache:
             while self._tokens > self.max_tokens:
                 _, evicted = self._entries.popitem(last=False)
                 self._tokens -= len(evicted)
+            if self._gauge is not None:
+                self._gauge.set(self._tokens)
 
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
             self._tokens = 0
+            if self._gauge is not None:
+                self._gauge.set(0)
 
     def keys(self) -> list[int]:
         return list(self._entries)
@@ -156,7 +169,7 @@ class SegmentTokenizer:
         self.name = name
         self.verify_rate = verify_rate
         self._rng = rng or random.Random()
-        self.cache = SegmentCache(cache_tokens)
+        self.cache = SegmentCache(cache_tokens, name)
         self._backend = getattr(hf_tokenizer, "backend_tokenizer", None)
         self.added: dict[str, int] = {}
         """Added token text -> id: the points where the text is cut into segments."""

@@ -318,6 +318,7 @@ def test_metrics_expose_router_series(router_url: str) -> None:
         "kvrouter_predicted_hit_ratio_bucket", "kvrouter_tokenize_seconds_bucket", "kvrouter_hash_seconds_bucket",
         "kvrouter_lookup_seconds_bucket", "kvrouter_overhead_seconds_bucket", "kvrouter_backend_in_flight_requests",
         "kvrouter_backend_healthy", "kvrouter_event_stream_last_seq", "kvrouter_kv_stream_connected",
+        "kvrouter_tokenizer_segment_cache_tokens", "kvrouter_backend_scraped_unseen_requests",
     ):
         assert name in text, name
 
