@@ -359,7 +359,7 @@ def _router(fleet: EngineFleet, policy: str, workdir: Path, weights: dict[str, A
     if peer is not None:
         return VllmRouter.for_fleet(fleet, peer, workdir)
     shape = shape or RouterShape()
-    if shape.replicas > 1:
+    if shape.on_redis:
         return Replicas(fleet, policy, workdir, shape, weights)
     return Router(fleet, policy, workdir, weights=weights, workers=shape.workers, settings=shape.settings)
 
@@ -569,6 +569,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--router-replicas", type=int, default=1,
                    help="router replicas per kvrouter policy, on one Redis index fed by kvrouter indexer, sessions "
                         "spread round-robin over them (default 1: one router, in-memory index; needs redis-server)")
+    p.add_argument("--router-index", choices=("memory", "redis"), default=None,
+                   help="redis: even one replica reads a Redis index fed by kvrouter indexer (default: memory for "
+                        "one replica, redis for several)")
     p.add_argument("--router-setting", action="append", default=[], metavar="KEY=VALUE",
                    help="another router config key for kvrouter's routers, e.g. share_worker_state=false (repeatable)")
     add_workload_args(p)
@@ -589,7 +592,10 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         raise WorkloadError("--repeats must be >= 1")
     if args.router_workers < 1 or args.router_replicas < 1:
         raise WorkloadError("--router-workers and --router-replicas must be >= 1")
-    shape = RouterShape(args.router_workers, args.router_replicas, parse_settings(args.router_setting))
+    if args.router_index == "memory" and args.router_replicas > 1:
+        raise WorkloadError("--router-index memory: several replicas share a Redis index")
+    shape = RouterShape(args.router_workers, args.router_replicas, parse_settings(args.router_setting),
+                        redis_index=args.router_index == "redis")
     exact = [p for p in policies if p in EXACT_STATE_POLICIES]
     if exact and isinstance(spec, VllmSpec):
         raise WorkloadError(f"{', '.join(exact)} read the simulator's exact engine state: not with --fleet vllm")

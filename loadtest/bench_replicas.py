@@ -41,11 +41,18 @@ class RouterShape:
     workers: int = 1
     replicas: int = 1
     settings: dict[str, Any] = field(default_factory=dict)
+    redis_index: bool = False
+    """One replica on the Redis index too: separates what the index path costs from what
+    spreading decisions over replicas costs (more than one replica always uses Redis)."""
+
+    @property
+    def on_redis(self) -> bool:
+        return self.redis_index or self.replicas > 1
 
     def meta(self) -> dict[str, Any]:
         """What results.json's meta and report.md's header record."""
         out: dict[str, Any] = {"router_workers": self.workers, "router_replicas": self.replicas}
-        if self.replicas > 1:
+        if self.on_redis:
             out["router_index"] = "redis (kvrouter indexer), load shared through Redis"
         if self.settings:
             out["router_settings"] = self.settings
