@@ -10,6 +10,11 @@ current publisher incarnation in order, so each stream is tracked like this:
   the batch we applied last. Its bytes must equal what we applied; otherwise the engine
   restarted under us. Live messages that arrive meanwhile are buffered and merged with
   the replay by seq, so batches are applied exactly once and in order.
+* A hole inside what the replay shows the engine holds (between the lowest and highest
+  seq it sent) was lost in transit: the engine's ROUTER drops messages sent while its
+  pipe is at the send high-water mark (ZMQ's default, 1,000, in vLLM), so a long replay
+  arrives with holes and often without its end marker. It is asked again from the hole,
+  as long as each replay applies something (``MAX_STALLED_REPLAYS`` in a row may not).
 * A hole the replay cannot fill (the engine's buffer moved past it) means history is
   gone: the worker's entries are cleared, the loss is counted, and the stream continues
   from the next batch it holds. Applying a suffix of history to an empty worker only
@@ -82,6 +87,11 @@ log = logging.getLogger(__name__)
 _NEVER = float("inf")
 _RECENT_MAX = 4096
 """Applied batches remembered (seq -> hash of payload) to tell duplicates from restarts."""
+MAX_STALLED_REPLAYS = 3
+"""Replays in a row that may apply nothing before a hole inside the engine's answer is
+declared lost: one that applies something proves the engine still answers, so a 10,000-batch
+history at a 1,000-message high-water mark is fetched in a few rounds, but an engine that
+never sends the hole cannot keep the subscriber asking forever."""
 TRIM_AFTER_MSGS = 1000
 """A replay that held at least this many batches (~1 MB), or any re-sync from seq 0, ends
 with the freed heap pages given back to the OS (:mod:`indexer.heap`: without it the
@@ -106,7 +116,8 @@ class StreamStats:
     """What the router shows in ``/debug/backends`` for one event stream.
 
     ``last_seq`` is the last batch applied (``None`` before the first). ``gaps`` counts
-    detected holes, ``replays`` replay requests made for gaps and re-syncs, ``lost`` holes
+    detected holes, ``replays`` replay requests made for gaps and re-syncs, ``refills``
+    replays asking again for batches a replay's answer lost in transit, ``lost`` holes
     no replay could fill, ``restarts`` publisher restarts, ``purges`` clears because the
     worker was dead or removed. ``rehash_mode`` is true while the index holds
     router-computed hashes for this worker because the engine's did not verify.
@@ -116,6 +127,7 @@ class StreamStats:
     last_seq: int | None = None
     gaps: int = 0
     replays: int = 0
+    refills: int = 0
     probes: int = 0
     lost: int = 0
     restarts: int = 0
@@ -196,6 +208,10 @@ class _Metrics:
         )
         self.gaps = Counter("kvrouter_kv_event_gaps", "Holes detected in a stream's seq", labels, registry=registry)
         self.replays = Counter("kvrouter_kv_event_replays", "Replay requests for gaps and re-syncs", labels, registry=registry)
+        self.refills = Counter(
+            "kvrouter_kv_event_replay_refills", "Replays asking again for batches a replay's answer lost in transit "
+            "(the engine's ROUTER drops past its send high-water mark)", labels, registry=registry,
+        )
         self.lost = Counter(
             "kvrouter_kv_event_history_lost", "Holes no replay could fill (worker cleared)", labels, registry=registry
         )
@@ -264,6 +280,8 @@ class _Stream:
         self.resync_at: float | None = None
         self.owes_trim = False
         """A large replay ended while a follow-up replay still held its rest: trim after that one."""
+        self.stalled = 0
+        """Replays in a row that applied nothing (``MAX_STALLED_REPLAYS``)."""
 
 
 class FleetSubscriber:
@@ -660,14 +678,17 @@ class FleetSubscriber:
             for seq in sorted(msgs):
                 self._on_live(st, seq, msgs[seq])
             return
-        # Holes at or below ``answered`` are history the engine no longer holds; holes above
-        # it were published after the engine answered (and dropped): they are asked again.
-        if timed_out:
-            answered = _NEVER
-        elif r.replied_max is not None:
-            answered = r.replied_max
+        # Holes below ``held_from`` are history the engine no longer holds. Holes from it up
+        # to ``answered`` were lost in transit (the engine held them: its buffer is one run
+        # of seqs); holes above it were published after the engine answered, or sent after
+        # an end marker the transit lost too. Both are asked again.
+        if r.replied_max is not None:
+            held_from, answered = r.replied_min, r.replied_max
+        elif timed_out:
+            held_from = answered = _NEVER
         else:
             answered = r.start - 1
+            held_from = answered + 1
         if r.anchor_hash is None and st.expected is not None:
             # The anchor fell out of the recent map (it cannot with a bounded gap): nothing to
             # compare against, so treat the stream as lost and start over.
@@ -680,7 +701,7 @@ class FleetSubscriber:
                 if timed_out or (r.replied_min is not None and r.replied_min > r.start):
                     # No answer, or the engine's buffer moved past the anchor: whatever is
                     # still missing is counted as lost by the run below.
-                    self._apply_run(st, msgs, st.expected, answered)
+                    self._apply_run(st, msgs, st.expected, held_from, answered)
                     return
                 self._restart(st, f"engine no longer holds seq {r.start}")
                 self._resync_with(st, msgs)
@@ -689,7 +710,7 @@ class FleetSubscriber:
                 self._restart(st, f"engine's batch {r.start} differs from the one applied")
                 self._resync_with(st, msgs)
                 return
-            self._apply_run(st, msgs, st.expected, answered)
+            self._apply_run(st, msgs, st.expected, held_from, answered)
             return
         if r.replied_min is not None:
             start = r.replied_min
@@ -699,7 +720,7 @@ class FleetSubscriber:
             start = 0
         if start > 0:
             log.info("kv events %s: joined at seq %d (earlier history not available)", _name(st), start)
-        self._apply_run(st, msgs, start, answered)
+        self._apply_run(st, msgs, start, held_from, answered)
 
     def _resync_with(self, st: _Stream, msgs: dict[int, bytes]) -> None:
         st.expected = None
@@ -707,34 +728,42 @@ class FleetSubscriber:
         if st.spec.replay_endpoint is not None and st.stats.connected:
             self._begin_replay(st, "sync", pending=msgs)
         elif msgs:
-            self._apply_run(st, msgs, min(msgs), _NEVER)
+            self._apply_run(st, msgs, min(msgs), _NEVER, _NEVER)
 
-    def _apply_run(self, st: _Stream, msgs: dict[int, bytes], seq: int | None, answered: float) -> None:
+    def _apply_run(self, st: _Stream, msgs: dict[int, bytes], seq: int | None, held_from: float,
+                   answered: float) -> None:
         """Apply ``msgs`` in seq order from ``seq``; seqs already applied are dropped.
 
-        A hole at or below ``answered`` is history the engine no longer holds: the worker
-        is cleared and application resumes at the next held batch (a suffix of history
-        never over-claims). A hole above it is asked for again by a new replay that keeps
-        the rest of ``msgs`` as its pending live messages.
+        A hole below ``held_from`` is history the engine no longer holds: the worker is
+        cleared and application resumes at the next held batch (a suffix of history never
+        over-claims). A hole from it on is asked for again by a new replay that keeps the
+        rest of ``msgs`` as its pending live messages (a *refill* up to ``answered``, a gap
+        above), unless ``MAX_STALLED_REPLAYS`` replays in a row applied nothing.
         """
         if seq is None:
             seq = min(msgs) if msgs else 0
+        applied = False
         while msgs:
             payload = msgs.pop(seq, None)
             if payload is not None:
                 self._apply(st, seq, payload)
+                applied = True
                 seq += 1
                 continue
             nxt = min(msgs)
             if nxt < seq:
                 del msgs[nxt]
                 continue
-            if seq > answered and st.spec.replay_endpoint is not None:
-                self._count(st, "gaps")
+            st.stalled = 0 if applied else st.stalled + 1
+            if seq >= held_from and st.spec.replay_endpoint is not None and st.stalled <= MAX_STALLED_REPLAYS:
+                self._count(st, "refills" if seq <= answered else "gaps")
                 self._begin_replay(st, "gap", pending=msgs)
                 return
-            self._lose(st, f"seqs {seq}..{nxt - 1} are gone from the engine's buffer")
+            st.stalled = 0
+            self._lose(st, f"seqs {seq}..{nxt - 1} are gone from the engine's buffer"
+                       if seq < held_from else f"seqs {seq}..{nxt - 1} never came, in {MAX_STALLED_REPLAYS} replays")
             seq = nxt
+        st.stalled = 0
 
     # -- state changes -----------------------------------------------------------------------------
 

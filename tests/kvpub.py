@@ -44,6 +44,7 @@ class EnginePublisher:
         topic: bytes = b"kv-events",
         vllm_version: str = "0.33.0",
         buffer_steps: int = 10_000,
+        replay_sndhwm: int | None = None,
     ) -> None:
         self.ctx = zmq.Context()
         self.topic = topic
@@ -64,6 +65,8 @@ class EnginePublisher:
             self.replay_port = replay_port or free_port()
             self._router = self.ctx.socket(zmq.ROUTER)
             self._router.setsockopt(zmq.LINGER, 0)
+            if replay_sndhwm is not None:  # vLLM leaves ZMQ's default, 1000: a ROUTER drops past it
+                self._router.setsockopt(zmq.SNDHWM, replay_sndhwm)
             self._router.bind(f"tcp://127.0.0.1:{self.replay_port}")
             self._thread = threading.Thread(target=self._serve_replay, daemon=True)
             self._thread.start()

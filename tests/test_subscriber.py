@@ -89,6 +89,29 @@ def test_connecting_late_loads_the_engines_buffered_history() -> None:
         pub.close()
 
 
+def test_a_replay_the_engines_router_drops_in_part_is_asked_again_not_lost() -> None:
+    """A replay longer than the engine's ROUTER send high-water mark (ZMQ's default, 1000, in
+    vLLM; 50 here) loses the messages sent while the pipe is full, and with them often the
+    end marker. Those holes lie inside what the engine holds: the subscriber asks again from
+    the first one and loses nothing, where it used to clear the worker for each."""
+    pub = EnginePublisher(replay_sndhwm=50)
+    n = 6_000
+    for i in range(n):
+        pub.publish(stored([i]), send=False)
+    index = MemoryIndex()
+    sub = FleetSubscriber(index, [spec(pub)], replay_timeout_s=1.0)
+    sub.start()
+    try:
+        wait_for(lambda: sub.stats()[W0].last_seq == n - 1, "the whole history replayed", timeout=60.0)
+        st = sub.stats()[W0]
+        assert st.lost == 0 and st.batches == n, st
+        assert st.refills > 0, "the high-water mark dropped nothing: the test lost its point"
+        assert all(has(index, i) for i in range(0, n, 97)) and has(index, n - 1)
+    finally:
+        sub.stop()
+        pub.close()
+
+
 @pytest.mark.parametrize("version", ["0.11.0", "0.22.0", "0.28.0"])
 def test_replay_works_with_every_reply_framing(version: str) -> None:
     pub = EnginePublisher(vllm_version=version)
