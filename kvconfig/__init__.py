@@ -173,6 +173,11 @@ class RouterSettings(_Strict):
     breaker_cooldown_s: float = Field(default=5.0, gt=0)
     max_connections_per_backend: int = Field(default=512, ge=1)
     inline_tokenize_bytes: int = Field(default=2048, ge=0)
+    segment_cache_tokens: int = Field(default=8_000_000, ge=0)
+    """Token ids the tokenizer's segment cache keeps per tokenizer (router/segments.py), oldest
+    dropped first: ~35 bytes each, ~280 MB at the default when full (a chat soak's RSS grows
+    toward it for hours; kvrouter_tokenizer_segment_cache_tokens shows the fill). 0 keeps
+    nothing: every segment is tokenized anew."""
     hash_cache_blocks: int = Field(default=500_000, ge=16)
     """Blocks whose hashes the prefix hash cache keeps per model (router/hash_cache.py),
     oldest dropped first: ~18 bytes each, ~9 MB at the default."""

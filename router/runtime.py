@@ -73,6 +73,7 @@ class Models:
 
     def __init__(self, config: Config) -> None:
         settings = config.router
+        self.segment_cache_tokens = settings.segment_cache_tokens
         w = settings.weights
         self.runtimes: dict[str, ModelRuntime] = {}
         self.served: dict[str, tuple[ModelRuntime, dict[str, Any] | None]] = {}
@@ -125,6 +126,7 @@ class Models:
                 return
             try:
                 rt.tokenizer = await loop.run_in_executor(executor, load_tokenizer, rt.config.tokenizer)
+                rt.tokenizer.segments.cache.resize(self.segment_cache_tokens)
                 rt.probe = HeadProbe(rt.tokenizer, rt.name)
             except TokenizeError as e:
                 if rt.config.tokenizer_mode == "local":

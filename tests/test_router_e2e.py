@@ -311,7 +311,8 @@ def test_debug_backends_shows_load_and_event_streams(router_url: str) -> None:
 
 
 def test_metrics_expose_router_series(router_url: str) -> None:
-    client(router_url).completions.create(model=MODEL, prompt="metrics please", max_tokens=1)
+    # Over a block (16 tokens): a shorter prompt has no block to look up, and no lookup time.
+    client(router_url).completions.create(model=MODEL, prompt=unique_text(40), max_tokens=1)
     text = httpx.get(router_url + "/metrics").text
     for name in (
         "kvrouter_requests_total", "kvrouter_routing_decisions_total", "kvrouter_matched_blocks_bucket",
@@ -370,6 +371,23 @@ def test_every_policy_routes_real_requests(fleet: dict[str, Any], policy: str) -
             assert set(seen.values()) == {3}
         if policy == "session":
             assert len(seen) == 1
+        wait_idle(r.url)
+
+
+def test_segment_cache_stays_within_its_configured_bound(fleet: dict[str, Any]) -> None:
+    """``router.segment_cache_tokens`` bounds what the tokenizer's segment cache keeps (the chat
+    soak's RSS grows toward the default bound for hours); prompts stay right above it."""
+    bound = 300
+    with InProcessRouter(fleet_config(fleet, segment_cache_tokens=bound)) as r:
+        c = client(r.url, key="unused")
+        for i in range(4):
+            text = unique_text(150)
+            out = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": text}], max_tokens=1)
+            assert out.usage.prompt_tokens > 150
+        page = httpx.get(r.url + "/metrics").text
+        fill = [float(line.rsplit(" ", 1)[1]) for line in page.splitlines()  # labelled by tokenizer path
+                if line.startswith("kvrouter_tokenizer_segment_cache_tokens{") and str(QWEN3_DIR) in line]
+        assert fill and 0 < fill[0] <= bound, fill
         wait_idle(r.url)
 
 
