@@ -165,6 +165,9 @@ class Router:
                                             self.settings.shared_load_interval_s, self.settings.shared_load_ttl_s)
             if self.settings.shared_decisions:
                 self.replica_decisions = self._share_decisions(url)
+                if self.settings.shared_load_claims:
+                    self.loads.on_claim = self.replica_decisions.claim
+                    self.replica_decisions.on_claims = self.replica_load.on_claims
         for rt in self.models:
             if rt.engines is not None:
                 await rt.engines.start()

@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -260,6 +260,12 @@ class LoadTracker:
         self._slots: dict[str, int] = {}
         self.remote: dict[str, tuple[int, int, int, int, int]] = {}
         """Other replicas' load by backend, summed (set by :class:`router.replica_load.ReplicaLoad`)."""
+        self.claims = 0
+        """Tickets this process has acquired: a shared load vector carries the count it
+        includes, so a replica can tell which pushed claims it already covers."""
+        self.on_claim: Callable[[int, str, int, int], None] | None = None
+        """Called with (claim number, backend, prefill tokens, prompt blocks) for each ticket:
+        :meth:`router.replica_decisions.ReplicaDecisions.claim` pushes it to the other replicas."""
         self.shared = False
         self._rows: np.ndarray | None = None
         self._others: list[int] = []
@@ -291,6 +297,9 @@ class LoadTracker:
         load.publish()
 
     def acquire(self, backend: str, keys: list[int], prefill_tokens: int) -> Ticket:
+        self.claims += 1
+        if self.on_claim is not None:
+            self.on_claim(self.claims, backend, prefill_tokens, len(keys))
         return Ticket(self.backends[backend], keys, prefill_tokens)
 
     def get(self, backend: str) -> BackendLoad | LoadView:

@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 import msgspec
 import redis.asyncio as aredis
@@ -60,6 +61,9 @@ DECISIONS_FAILURES = Counter(
 
 Record = tuple[str, str, list[int]]
 """(model, backend, the chain's keys at the stored positions)."""
+Claim = tuple[int, str, int, int]
+"""(the sender's claim number, backend, prefill tokens, prompt blocks): one routed request's
+load, pushed at once (:mod:`router.replica_load`, "Claims")."""
 
 
 class Message(msgspec.Struct, array_like=True):
@@ -68,6 +72,8 @@ class Message(msgspec.Struct, array_like=True):
     sent_at: float
     """The sender's ``time.time()`` when it published."""
     records: list[Record]
+    claims: list[Claim] = []
+    """Absent from the messages of routers that do not push claims."""
 
 
 _encode = msgspec.msgpack.Encoder().encode
@@ -86,7 +92,10 @@ class ReplicaDecisions:
         self.interval_s = interval_s
         self.memories: dict[str, SharedPrefixIndex] = {}
         self._queued: list[Record] = []
+        self._claims: list[Claim] = []
         self._wake = asyncio.Event()
+        self.on_claims: Callable[[str, list[Claim]], None] | None = None
+        """Receives the other replicas' claims (:meth:`router.replica_load.ReplicaLoad.on_claims`)."""
 
     def attach(self, model: str, memory: SharedPrefixIndex) -> None:
         """Share ``memory`` (one model's policy memory) with the other replicas."""
@@ -98,6 +107,12 @@ class ReplicaDecisions:
 
         memory.publish = publish
 
+    def claim(self, number: int, backend: str, prefill: int, blocks: int) -> None:
+        """Push one routed request's load to the other replicas with the next message
+        (:attr:`router.load.LoadTracker.on_claim`)."""
+        self._claims.append((number, backend, prefill, blocks))
+        self._wake.set()
+
     async def run_forever(self) -> None:
         await asyncio.gather(self._publish_forever(), self._replay_forever())
 
@@ -107,8 +122,9 @@ class ReplicaDecisions:
             await self._wake.wait()
             self._wake.clear()
             batch, self._queued = self._queued, []
+            claims, self._claims = self._claims, []
             try:
-                await self.redis.publish(self.channel, _encode(Message(self.me, time.time(), batch)))
+                await self.redis.publish(self.channel, _encode(Message(self.me, time.time(), batch, claims)))
                 DECISIONS_PUBLISHED.inc(len(batch))
                 failing = False
             except Exception as e:  # noqa: BLE001 - Redis down or slow: these are hints, drop them
@@ -151,6 +167,8 @@ class ReplicaDecisions:
             return
         if message.sender.startswith(self._own_replica):
             return  # this process, or a worker of its supervisor: shared through the ring
+        if message.claims and self.on_claims is not None:
+            self.on_claims(message.sender, message.claims)
         age = time.time() - message.sent_at
         replayed = 0
         for model, backend, stored in message.records:

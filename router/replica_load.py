@@ -20,6 +20,19 @@ which reconcile every estimate with the engine's real queue each scrape.
 One Lua script per round: SET own key PX ttl, SADD the member set, read every member's
 key, SREM the members whose key expired. Members live in one set so a reader needs no
 ``SCAN``.
+
+**Claims.** A vector is up to two intervals old when another replica reads it, and a burst
+that arrives at once (the Mooncake trace's arrivals come in 3-second steps of ~9 requests)
+is decided by every replica within that window, each blind to the others' share of it:
+they pile onto the same backend. So each routed request's load (a *claim*: backend,
+prefill tokens, prompt blocks, and the sender's running claim number) is also pushed at
+once on the shared decisions channel (:mod:`router.replica_decisions`, with
+``router.shared_load_claims``), and each replica adds the claims it received on top of the
+sender's last vector until a vector that covers them arrives (every vector carries the
+number of claims it includes). A claim is only ever an addition: a request's first token
+and end reach the others with the next vector, so for that long they over-count it,
+which errs on the side of spreading. Claims not covered within ``shared_load_ttl_s``
+(a sender whose vector stopped) are dropped.
 """
 
 from __future__ import annotations
@@ -42,6 +55,12 @@ SHARED_LOAD_FAILURES = Counter(
 SHARED_LOAD_REPLICAS = Counter(
     "kvrouter_shared_load_expired", "Other replicas' load vectors found expired (a replica stopped refreshing: died or cut off)",
 )
+SHARED_LOAD_CLAIMS = Counter(
+    "kvrouter_shared_load_claims", "Other replicas' routed requests counted from their pushed claims before their next load vector",
+)
+
+_Pending = tuple[int, str, int, int, float]
+"""A claim not yet covered by its sender's vector: (number, backend, prefill, blocks, arrived at)."""
 
 _ROUND = """
 local members, own, prefix = KEYS[1], ARGV[1], ARGV[2]
@@ -83,6 +102,11 @@ class ReplicaLoad:
         self._read_at = 0.0
         self.peers: dict[str, dict[str, list[int]]] = {}
         """The other replicas' processes' last vectors (``/debug/backends``)."""
+        self._base: dict[str, list[int]] = {}
+        """The other replicas' vectors summed by backend, without claims."""
+        self._covered: dict[str, int] = {}
+        """Per other process: the claims its last vector includes."""
+        self._pending: dict[str, list[_Pending]] = {}
 
     async def run_forever(self) -> None:
         failing = False
@@ -101,17 +125,20 @@ class ReplicaLoad:
                 if time.monotonic() - self._read_at > self.ttl_s:
                     self.tracker.remote = {}
                     self.peers = {}
+                    self._base, self._pending = {}, {}
             await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))
 
     async def round(self) -> None:
-        mine = {name: load.vector() for name, load in self.tracker.backends.items()}
+        claims = self.tracker.claims  # read with the counters: the vector includes exactly these
+        mine = {name: [*load.vector(), claims] for name, load in self.tracker.backends.items()}
         payload = json.dumps(mine, separators=(",", ":"))
         out = await self._script(keys=[self.members], args=[self.me, self.prefix, payload, self.ttl_ms])
         gone = int(out[-1])
         if gone:
             SHARED_LOAD_REPLICAS.inc(gone)
-        remote: dict[str, list[int]] = {}
+        base: dict[str, list[int]] = {}
         peers: dict[str, dict[str, list[int]]] = {}
+        covered: dict[str, int] = {}
         own_replica = self.replica.encode() + b"/"
         for i in range(0, len(out) - 1, 2):
             member, raw = out[i], out[i + 1]
@@ -121,14 +148,42 @@ class ReplicaLoad:
                 vector = json.loads(raw)
             except ValueError:
                 continue
-            peers[member.decode(errors="replace")] = vector
+            sender = member.decode(errors="replace")
+            peers[sender] = vector
             for name, v in vector.items():
-                acc = remote.setdefault(name, [0, 0, 0, 0, 0])
+                acc = base.setdefault(name, [0, 0, 0, 0, 0])
                 for j in range(5):
                     acc[j] += int(v[j])
+                if len(v) > 5:  # a router that pushes no claims sends 5 numbers
+                    covered[sender] = int(v[5])
+        self._base, self._covered, self.peers = base, covered, peers
+        self._read_at = now = time.monotonic()
+        pending = {}
+        for sender, claims in self._pending.items():
+            done = covered.get(sender, -1)
+            kept = [c for c in claims if c[0] > done and now - c[4] < self.ttl_s]
+            if kept:
+                pending[sender] = kept
+        self._pending = pending
+        remote = {name: list(v) for name, v in base.items()}
+        for claims in pending.values():
+            for c in claims:
+                _add(remote, c)
         self.tracker.remote = {name: (v[0], v[1], v[2], v[3], v[4]) for name, v in remote.items()}
-        self.peers = peers
-        self._read_at = time.monotonic()
+
+    def on_claims(self, sender: str, claims: list[tuple[int, str, int, int]]) -> None:
+        """Another replica's claims, pushed as it routed (see "Claims" above): counted at once."""
+        done = self._covered.get(sender, -1)
+        now = time.monotonic()
+        fresh = [(n, b, p, k, now) for n, b, p, k in claims if n > done and b in self.tracker.backends]
+        if not fresh:
+            return
+        self._pending.setdefault(sender, []).extend(fresh)
+        remote = {name: list(v) for name, v in self.tracker.remote.items()}
+        for c in fresh:
+            _add(remote, c)
+        self.tracker.remote = {name: (v[0], v[1], v[2], v[3], v[4]) for name, v in remote.items()}
+        SHARED_LOAD_CLAIMS.inc(len(fresh))
 
     async def aclose(self) -> None:
         """Withdraw this process's vector at once (a clean stop need not wait for the TTL)."""
@@ -138,3 +193,13 @@ class ReplicaLoad:
         except Exception as e:  # noqa: BLE001 - the TTL removes it anyway
             log.debug("shared load: could not withdraw %s: %r", self.me, e)
         await self.redis.aclose()
+
+
+def _add(remote: dict[str, list[int]], claim: _Pending) -> None:
+    """One claim into summed vectors: a request in flight, its prefill queued, its prompt
+    blocks in the context (its unique blocks are left to the sender's next vector)."""
+    _, backend, prefill, blocks, _ = claim
+    acc = remote.setdefault(backend, [0, 0, 0, 0, 0])
+    acc[0] += 1
+    acc[1] += prefill
+    acc[4] += blocks

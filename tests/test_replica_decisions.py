@@ -117,8 +117,9 @@ def test_a_burst_on_a_new_prefix_round_robin_over_3_replicas_lands_on_one_backen
     blind = sum(reason != "speculative_hit" for burst in shared for _, reason in burst[1:])
     assert stragglers <= 1 and blind <= 1, shared
     alone = bursts(sim, redis_url, tmp_path, shared_decisions=False, n=2)
-    # Requests 1 and 2 are replicas 1 and 2's first of the burst: nothing told them.
-    assert all(burst[i][1] == "no_events" for burst in alone for i in (1, 2)), alone
+    # Whichever of its requests replica 1 (2) decided first (1, 4, 7 arrive together): nothing
+    # had told it where the prefix went.
+    assert all(any(burst[i][1] == "no_events" for i in range(r, 9, 3)) for burst in alone for r in (1, 2)), alone
 
 
 def test_a_dead_replicas_decisions_expire_within_the_ttl(sim_fleet: Any, redis_url: str, tmp_path: Path) -> None:

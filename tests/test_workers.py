@@ -421,6 +421,37 @@ def test_a_killed_replicas_load_expires_within_the_ttl(redis_url: str, tmp_path:
             b.stop()
 
 
+def test_a_replica_counts_anothers_request_at_once_and_once(redis_url: str, tmp_path: Path) -> None:
+    """Claims (router/replica_load.py): replica b counts a stream replica a just routed
+    within a fraction of a's 1.5 s load interval (requests arriving together at both must
+    not all pick the backend that looked idle), still counts it once after a's vectors
+    include it, and not at all once it ended."""
+    with SlowStreamEngine(events=60, gap_s=0.1) as engine:
+        config = {"models": [model({"name": "slow", "url": engine.url})], "index": "memory",
+                  "index_namespace": f"workers-{random.randrange(1 << 30)}",
+                  "router": {"workers": 1, "shared_load": redis_url, "shared_load_interval_s": 1.5,
+                             "shared_load_ttl_s": 4.0, "health_interval_s": 0.5}}
+        a = Router(config, tmp_path, "a", workers=1)
+        b = Router(config, tmp_path, "b", workers=1)
+
+        def counted() -> int:
+            return b.backends()["backends"][0]["load"]["in_flight"]
+
+        try:
+            time.sleep(0.5)  # past both replicas' first load round
+            reader = StreamReader(a.url)
+            reader.start()
+            assert reader.started.wait(20), a.log()
+            wait_for(lambda: counted() == 1, "replica b to count a's stream from its claim", timeout=0.4)
+            time.sleep(3.2)  # two of a's load rounds: its vector now includes the stream
+            assert counted() == 1, "a claim counted again on top of the vector that covers it"
+            reader.join(20)
+            wait_for(lambda: counted() == 0, "a's ended stream to leave b's count", timeout=4)
+        finally:
+            a.stop()
+            b.stop()
+
+
 def test_decision_ring_replays_across_its_end_and_a_reader_a_ring_behind_skips(tmp_path: Path) -> None:
     """The ring under the shared prefix memory, in one process: records that straddle the
     ring's end replay whole, and a reader a whole ring behind jumps to the writer instead of
