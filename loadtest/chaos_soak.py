@@ -50,14 +50,17 @@ from loadtest.fleet import FleetSpec
 from loadtest.replay import percentiles
 from loadtest.workloads import MixedSpec
 
-SERIES = ("rss_mb", "open_fds", "index_entries", "hash_cache_blocks", "load_tickets", "background_jobs",
-          "background_tasks", "asyncio_tasks", "latency_p99_s", "ttft_p99_s", "ejections")
+SERIES = ("rss_mb", "open_fds", "index_entries", "hash_cache_blocks", "segment_cache_tokens", "load_tickets",
+          "background_jobs", "background_tasks", "asyncio_tasks", "latency_p99_s", "ttft_p99_s", "ejections")
 SOAK_SIM_ARGS = ("--max-num-seqs", "4", "--step-overhead-ms", "200", "--num-blocks", "2048")
 """Half the chaos engines' speed (200 ms steps): an hour at 80% load costs the shared cores
 about half as much, and caches still fill and evict within the warm-up."""
 RUNTIME_METRICS = {"kvrouter_background_jobs": "background_jobs", "kvrouter_background_tasks": "background_tasks",
                    "kvrouter_asyncio_tasks": "asyncio_tasks", "kvrouter_hash_cache_blocks": "hash_cache_blocks",
+                   "kvrouter_tokenizer_segment_cache_tokens": "segment_cache_tokens",
                    "kvrouter_backend_ejections": "ejections"}
+"""``segment_cache_tokens`` fills only with ``--chat`` (token-id prompts are not tokenized):
+RSS growing with it, toward ``router.segment_cache_tokens``, is a bounded cache filling."""
 """Series read from ``/metrics``; a labelled one (per model) is summed over its labels."""
 SOAK_HASH_CACHE_BLOCKS = 32_768
 """The soak router's ``hash_cache_blocks``: full after ~5 minutes of soak traffic."""
