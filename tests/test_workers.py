@@ -395,16 +395,21 @@ def test_metrics_sum_every_worker_and_a_dead_worker_is_restarted(tmp_path: Path)
             router.stop()
 
 
+def replica_pair(engine: SlowStreamEngine, redis_url: str, tmp: Path, *, interval_s: float,
+                 ttl_s: float) -> tuple[Router, Router]:
+    """Two one-process replicas in front of ``engine``, sharing load through ``redis_url``."""
+    config = {"models": [model({"name": "slow", "url": engine.url})], "index": "memory",
+              "index_namespace": f"workers-{random.randrange(1 << 30)}",
+              "router": {"workers": 1, "shared_load": redis_url, "shared_load_interval_s": interval_s,
+                         "shared_load_ttl_s": ttl_s, "health_interval_s": 0.5}}
+    return Router(config, tmp, "a", workers=1), Router(config, tmp, "b", workers=1)
+
+
 def test_a_killed_replicas_load_expires_within_the_ttl(redis_url: str, tmp_path: Path) -> None:
     """Two replicas share load through Redis; SIGKILL the one holding streams: the other
     counts them while it lives, and none of them once its tickets expire."""
     with SlowStreamEngine(events=200, gap_s=0.1) as engine:
-        config = {"models": [model({"name": "slow", "url": engine.url})], "index": "memory",
-                  "index_namespace": f"workers-{random.randrange(1 << 30)}",
-                  "router": {"workers": 1, "shared_load": redis_url, "shared_load_interval_s": 0.1,
-                             "shared_load_ttl_s": 1.0, "health_interval_s": 0.5}}
-        a = Router(config, tmp_path, "a", workers=1)
-        b = Router(config, tmp_path, "b", workers=1)
+        a, b = replica_pair(engine, redis_url, tmp_path, interval_s=0.1, ttl_s=1.0)
         try:
             readers = [StreamReader(a.url) for _ in range(4)]
             for r in readers:
@@ -427,12 +432,7 @@ def test_a_replica_counts_anothers_request_at_once_and_once(redis_url: str, tmp_
     not all pick the backend that looked idle), still counts it once after a's vectors
     include it, and not at all once it ended."""
     with SlowStreamEngine(events=60, gap_s=0.1) as engine:
-        config = {"models": [model({"name": "slow", "url": engine.url})], "index": "memory",
-                  "index_namespace": f"workers-{random.randrange(1 << 30)}",
-                  "router": {"workers": 1, "shared_load": redis_url, "shared_load_interval_s": 1.5,
-                             "shared_load_ttl_s": 4.0, "health_interval_s": 0.5}}
-        a = Router(config, tmp_path, "a", workers=1)
-        b = Router(config, tmp_path, "b", workers=1)
+        a, b = replica_pair(engine, redis_url, tmp_path, interval_s=1.5, ttl_s=4.0)
 
         def counted() -> int:
             return b.backends()["backends"][0]["load"]["in_flight"]
