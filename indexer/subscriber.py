@@ -761,7 +761,7 @@ class FleetSubscriber:
                 return
             st.stalled = 0
             self._lose(st, f"seqs {seq}..{nxt - 1} are gone from the engine's buffer"
-                       if seq < held_from else f"seqs {seq}..{nxt - 1} never came, in {MAX_STALLED_REPLAYS} replays")
+                       if seq < held_from else f"seqs {seq}..{nxt - 1} never came, in {MAX_STALLED_REPLAYS + 1} replays")
             seq = nxt
         st.stalled = 0
 
@@ -846,6 +846,7 @@ class FleetSubscriber:
         st.expected = None
         st.stats.last_seq = None  # the new publisher's seqs start over: nothing of it applied yet
         st.recent.clear()
+        st.stalled = 0
 
     def _resync_every(self, why: str) -> None:
         log.warning("kv events: %s; rebuilding every worker from its engine's history", why)

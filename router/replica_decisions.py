@@ -42,6 +42,7 @@ import msgspec
 import redis.asyncio as aredis
 from prometheus_client import Counter
 
+from router.replica_load import process_id
 from router.shared_prefix import SharedPrefixIndex
 
 log = logging.getLogger(__name__)
@@ -87,14 +88,14 @@ class ReplicaDecisions:
     def __init__(self, url: str, namespace: str, replica: str, worker: int, interval_s: float) -> None:
         self.redis = aredis.Redis.from_url(url, socket_connect_timeout=1.0, socket_keepalive=True)
         self.channel = f"{namespace}:decisions"
-        self.me = f"{replica}/{worker}"
+        self.me = process_id(replica, worker)
         self._own_replica = f"{replica}/"
         self.interval_s = interval_s
         self.memories: dict[str, SharedPrefixIndex] = {}
         self._queued: list[Record] = []
         self._claims: list[Claim] = []
         self._wake = asyncio.Event()
-        self.on_claims: Callable[[str, list[Claim]], None] | None = None
+        self.on_claims: Callable[[str, float, list[Claim]], None] | None = None
         """Receives the other replicas' claims (:meth:`router.replica_load.ReplicaLoad.on_claims`)."""
 
     def attach(self, model: str, memory: SharedPrefixIndex) -> None:
@@ -168,7 +169,7 @@ class ReplicaDecisions:
         if message.sender.startswith(self._own_replica):
             return  # this process, or a worker of its supervisor: shared through the ring
         if message.claims and self.on_claims is not None:
-            self.on_claims(message.sender, message.claims)
+            self.on_claims(message.sender, message.sent_at, message.claims)
         age = time.time() - message.sent_at
         replayed = 0
         for model, backend, stored in message.records:

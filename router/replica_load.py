@@ -40,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 
 import redis.asyncio as aredis
@@ -93,7 +94,7 @@ class ReplicaLoad:
         self.prefix = f"{namespace}:load:"
         self.members = f"{namespace}:load-members"
         self.replica = replica
-        self.me = f"{replica}/{worker}"
+        self.me = process_id(replica, worker)
         self.tracker = tracker
         self.interval_s = interval_s
         self.ttl_ms = max(1, int(ttl_s * 1000))
@@ -102,8 +103,6 @@ class ReplicaLoad:
         self._read_at = 0.0
         self.peers: dict[str, dict[str, list[int]]] = {}
         """The other replicas' processes' last vectors (``/debug/backends``)."""
-        self._base: dict[str, list[int]] = {}
-        """The other replicas' vectors summed by backend, without claims."""
         self._covered: dict[str, int] = {}
         """Per other process: the claims its last vector includes."""
         self._pending: dict[str, list[_Pending]] = {}
@@ -125,7 +124,7 @@ class ReplicaLoad:
                 if time.monotonic() - self._read_at > self.ttl_s:
                     self.tracker.remote = {}
                     self.peers = {}
-                    self._base, self._pending = {}, {}
+                    self._pending = {}
             await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))
 
     async def round(self) -> None:
@@ -156,7 +155,7 @@ class ReplicaLoad:
                     acc[j] += int(v[j])
                 if len(v) > 5:  # a router that pushes no claims sends 5 numbers
                     covered[sender] = int(v[5])
-        self._base, self._covered, self.peers = base, covered, peers
+        self._covered, self.peers = covered, peers
         self._read_at = now = time.monotonic()
         pending = {}
         for sender, claims in self._pending.items():
@@ -171,8 +170,11 @@ class ReplicaLoad:
                 _add(remote, c)
         self.tracker.remote = {name: (v[0], v[1], v[2], v[3], v[4]) for name, v in remote.items()}
 
-    def on_claims(self, sender: str, claims: list[tuple[int, str, int, int]]) -> None:
-        """Another replica's claims, pushed as it routed (see "Claims" above): counted at once."""
+    def on_claims(self, sender: str, sent_at: float, claims: list[tuple[int, str, int, int]]) -> None:
+        """Another replica's claims, pushed as it routed (see "Claims" above): counted at once,
+        unless the message is older than the TTL (its vector has covered them by then)."""
+        if time.time() - sent_at > self.ttl_s:
+            return
         done = self._covered.get(sender, -1)
         now = time.monotonic()
         fresh = [(n, b, p, k, now) for n, b, p, k in claims if n > done and b in self.tracker.backends]
@@ -193,6 +195,14 @@ class ReplicaLoad:
         except Exception as e:  # noqa: BLE001 - the TTL removes it anyway
             log.debug("shared load: could not withdraw %s: %r", self.me, e)
         await self.redis.aclose()
+
+
+def process_id(replica: str, worker: int) -> str:
+    """``{replica}/{worker}.{pid}``: one router process's name in Redis (its load key, its
+    decisions' sender). The pid makes a worker its supervisor restarted a new sender, whose
+    claim numbers start again at 1, not the dead one's continuation; the ``{replica}/``
+    prefix is what the workers of one supervisor skip in each other's messages."""
+    return f"{replica}/{worker}.{os.getpid()}"
 
 
 def _add(remote: dict[str, list[int]], claim: _Pending) -> None:
