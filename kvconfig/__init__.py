@@ -221,10 +221,10 @@ class RouterSettings(_Strict):
     on one backend as it does on one process. ``false`` is the ablation docs/scaling.md
     measures."""
     shared_load_claims: bool = True
-    """With ``shared_decisions``, each routed request's load is also pushed to the other
-    replicas at once (router/replica_load.py, "Claims"), so requests that arrive together at
-    several replicas do not all pick the backend that looked idlest a load interval ago.
-    ``false`` is the ablation docs/scaling.md measures."""
+    """With ``shared_decisions``, every change of a replica's load (a request routed, its first
+    token, its end) is also pushed to the other replicas at once (router/replica_load.py,
+    "Claims"): between two load intervals they would otherwise weigh requests that have moved
+    on, and miss new ones. ``false`` is the ablation docs/scaling.md measures."""
     shared_decisions_interval_s: float = Field(default=0.002, ge=0)
     """After publishing its decisions, a process waits this long before the next publish
     (what came meanwhile goes out in one message): at most 1/interval publishes a second,

@@ -166,7 +166,7 @@ class Router:
             if self.settings.shared_decisions:
                 self.replica_decisions = self._share_decisions(url)
                 if self.settings.shared_load_claims:
-                    self.loads.on_claim = self.replica_decisions.claim
+                    self.loads.push_changes(self.replica_decisions.claim)
                     self.replica_decisions.on_claims = self.replica_load.on_claims
         for rt in self.models:
             if rt.engines is not None:

@@ -109,6 +109,7 @@ class BackendLoad(_Figures):
         "scraped_kv_usage",
         "scraped_unseen",
         "scraped_at",
+        "changed",
     )
 
     def __init__(self, name: str) -> None:
@@ -129,6 +130,9 @@ class BackendLoad(_Figures):
         self.scraped_at: float | None = None
         self.words: memoryview | None = None
         self.base = 0
+        self.changed: Callable[[str, int, int, int], None] | None = None
+        """Told (backend, in-flight, prefill-token and context-block changes) of every ticket
+        change when the load is pushed to other replicas (:meth:`LoadTracker.push_changes`)."""
 
     @property  # type: ignore[override]
     def active_blocks(self) -> int:
@@ -197,6 +201,8 @@ class Ticket:
             refs[k] = refs.get(k, 0) + 1
         if load.words is not None:
             load.publish()
+        if load.changed is not None:
+            load.changed(load.name, 1, prefill, len(keys))
 
     def first_token(self) -> None:
         if self.phase == 0:
@@ -205,14 +211,17 @@ class Ticket:
             self.load.decode_seqs += 1
             if self.load.words is not None:
                 self.load.publish()
+            if self.load.changed is not None:
+                self.load.changed(self.load.name, 0, -self.prefill, 0)
 
     def settle(self, keys: list[int], prefill: int) -> None:
         """Replace the estimate a deferred request was sent with (the keys of its head and
         a token count from the text's length) by its exact keys and prefill tokens."""
         if self.phase == 2:
             return
-        if self.phase == 0:
-            self.load.prefill_tokens += prefill - self.prefill
+        d_prefill = prefill - self.prefill if self.phase == 0 else 0
+        d_context = len(keys) - len(self.keys)
+        self.load.prefill_tokens += d_prefill
         self.prefill = prefill
         self._unref()
         self.keys = keys
@@ -222,11 +231,14 @@ class Ticket:
             refs[k] = refs.get(k, 0) + 1
         if self.load.words is not None:
             self.load.publish()
+        if self.load.changed is not None:
+            self.load.changed(self.load.name, 0, d_prefill, d_context)
 
     def release(self) -> None:
         if self.phase == 2:
             return
         load = self.load
+        d_prefill = -self.prefill if self.phase == 0 else 0
         if self.phase == 0:
             load.prefill_tokens -= self.prefill
         else:
@@ -236,6 +248,8 @@ class Ticket:
         self._unref()
         if load.words is not None:
             load.publish()
+        if load.changed is not None:
+            load.changed(load.name, -1, d_prefill, -len(self.keys))
 
     def _unref(self) -> None:
         self.load.context_blocks -= len(self.keys)
@@ -261,11 +275,9 @@ class LoadTracker:
         self.remote: dict[str, tuple[int, int, int, int, int]] = {}
         """Other replicas' load by backend, summed (set by :class:`router.replica_load.ReplicaLoad`)."""
         self.claims = 0
-        """Tickets this process has acquired: a shared load vector carries the count it
-        includes, so a replica can tell which pushed claims it already covers."""
-        self.on_claim: Callable[[int, str, int, int], None] | None = None
-        """Called with (claim number, backend, prefill tokens, prompt blocks) for each ticket:
-        :meth:`router.replica_decisions.ReplicaDecisions.claim` pushes it to the other replicas."""
+        """Load changes pushed so far (:meth:`push_changes`): a shared load vector carries the
+        count it includes, so a replica can tell which pushed changes it already covers."""
+        self._push: Callable[[int, str, int, int, int], None] | None = None
         self.shared = False
         self._rows: np.ndarray | None = None
         self._others: list[int] = []
@@ -297,10 +309,20 @@ class LoadTracker:
         load.publish()
 
     def acquire(self, backend: str, keys: list[int], prefill_tokens: int) -> Ticket:
-        self.claims += 1
-        if self.on_claim is not None:
-            self.on_claim(self.claims, backend, prefill_tokens, len(keys))
         return Ticket(self.backends[backend], keys, prefill_tokens)
+
+    def push_changes(self, push: Callable[[int, str, int, int, int], None]) -> None:
+        """Send every ticket change, numbered, to ``push`` (number, backend, in-flight,
+        prefill-token and context-block changes): :meth:`router.replica_decisions.ReplicaDecisions.claim`
+        pushes them to the other replicas at once (router/replica_load.py, "Claims")."""
+        self._push = push
+        for load in self.backends.values():
+            load.changed = self._changed
+
+    def _changed(self, backend: str, d_in_flight: int, d_prefill: int, d_context: int) -> None:
+        self.claims += 1
+        assert self._push is not None
+        self._push(self.claims, backend, d_in_flight, d_prefill, d_context)
 
     def get(self, backend: str) -> BackendLoad | LoadView:
         """The backend's load as the policies weigh it: every worker's and replica's requests."""
@@ -340,6 +362,8 @@ class LoadTracker:
 
     def add(self, backend: str) -> None:
         load = self.backends[backend] = BackendLoad(backend)
+        if self._push is not None:
+            load.changed = self._changed
         self._attach(backend, load)
 
     def remove(self, backend: str) -> None:

@@ -62,9 +62,9 @@ DECISIONS_FAILURES = Counter(
 
 Record = tuple[str, str, list[int]]
 """(model, backend, the chain's keys at the stored positions)."""
-Claim = tuple[int, str, int, int]
-"""(the sender's claim number, backend, prefill tokens, prompt blocks): one routed request's
-load, pushed at once (:mod:`router.replica_load`, "Claims")."""
+Claim = tuple[int, str, int, int, int]
+"""(the sender's change number, backend, in-flight, prefill-token and context-block changes):
+one change of the sender's load, pushed at once (:mod:`router.replica_load`, "Claims")."""
 
 
 class Message(msgspec.Struct, array_like=True):
@@ -108,10 +108,10 @@ class ReplicaDecisions:
 
         memory.publish = publish
 
-    def claim(self, number: int, backend: str, prefill: int, blocks: int) -> None:
-        """Push one routed request's load to the other replicas with the next message
-        (:attr:`router.load.LoadTracker.on_claim`)."""
-        self._claims.append((number, backend, prefill, blocks))
+    def claim(self, number: int, backend: str, in_flight: int, prefill: int, blocks: int) -> None:
+        """Push one change of this process's load to the other replicas with the next message
+        (:meth:`router.load.LoadTracker.push_changes`)."""
+        self._claims.append((number, backend, in_flight, prefill, blocks))
         self._wake.set()
 
     async def run_forever(self) -> None:

@@ -21,18 +21,17 @@ One Lua script per round: SET own key PX ttl, SADD the member set, read every me
 key, SREM the members whose key expired. Members live in one set so a reader needs no
 ``SCAN``.
 
-**Claims.** A vector is up to two intervals old when another replica reads it, and a burst
-that arrives at once (the Mooncake trace's arrivals come in 3-second steps of ~9 requests)
-is decided by every replica within that window, each blind to the others' share of it:
-they pile onto the same backend. So each routed request's load (a *claim*: backend,
-prefill tokens, prompt blocks, and the sender's running claim number) is also pushed at
-once on the shared decisions channel (:mod:`router.replica_decisions`, with
-``router.shared_load_claims``), and each replica adds the claims it received on top of the
-sender's last vector until a vector that covers them arrives (every vector carries the
-number of claims it includes). A claim is only ever an addition: a request's first token
-and end reach the others with the next vector, so for that long they over-count it,
-which errs on the side of spreading. Claims not covered within ``shared_load_ttl_s``
-(a sender whose vector stopped) are dropped.
+**Claims.** A vector is up to two intervals old when another replica reads it (more
+when Redis is busy), so it shows requests that have since reached their first token or
+ended as still queued, and does not show requests routed since: on the Mooncake slice, 3
+replicas lost 28% of one process's engine TTFT p90 with vectors alone. So every change
+of this process's load (a *claim*: a ticket acquired, its first token, its end, a deferred
+request's settled estimate) is also pushed at once, numbered, on the shared decisions
+channel (:mod:`router.replica_decisions`, with ``router.shared_load_claims``), and each
+replica adds the changes it received on top of the sender's last vector until a vector
+that covers them arrives (every vector carries the number of changes it includes).
+Changes not covered within ``shared_load_ttl_s`` (a sender whose vector stopped) are
+dropped.
 """
 
 from __future__ import annotations
@@ -60,8 +59,9 @@ SHARED_LOAD_CLAIMS = Counter(
     "kvrouter_shared_load_claims", "Other replicas' routed requests counted from their pushed claims before their next load vector",
 )
 
-_Pending = tuple[int, str, int, int, float]
-"""A claim not yet covered by its sender's vector: (number, backend, prefill, blocks, arrived at)."""
+_Pending = tuple[int, str, int, int, int, float]
+"""A claim not yet covered by its sender's vector: (number, backend, in-flight, prefill-token
+and context-block changes, arrived at)."""
 
 _ROUND = """
 local members, own, prefix = KEYS[1], ARGV[1], ARGV[2]
@@ -160,7 +160,7 @@ class ReplicaLoad:
         pending = {}
         for sender, claims in self._pending.items():
             done = covered.get(sender, -1)
-            kept = [c for c in claims if c[0] > done and now - c[4] < self.ttl_s]
+            kept = [c for c in claims if c[0] > done and now - c[5] < self.ttl_s]
             if kept:
                 pending[sender] = kept
         self._pending = pending
@@ -170,14 +170,14 @@ class ReplicaLoad:
                 _add(remote, c)
         self.tracker.remote = {name: (v[0], v[1], v[2], v[3], v[4]) for name, v in remote.items()}
 
-    def on_claims(self, sender: str, sent_at: float, claims: list[tuple[int, str, int, int]]) -> None:
+    def on_claims(self, sender: str, sent_at: float, claims: list[tuple[int, str, int, int, int]]) -> None:
         """Another replica's claims, pushed as it routed (see "Claims" above): counted at once,
         unless the message is older than the TTL (its vector has covered them by then)."""
         if time.time() - sent_at > self.ttl_s:
             return
         done = self._covered.get(sender, -1)
         now = time.monotonic()
-        fresh = [(n, b, p, k, now) for n, b, p, k in claims if n > done and b in self.tracker.backends]
+        fresh = [(n, b, i, p, k, now) for n, b, i, p, k in claims if n > done and b in self.tracker.backends]
         if not fresh:
             return
         self._pending.setdefault(sender, []).extend(fresh)
@@ -206,10 +206,10 @@ def process_id(replica: str, worker: int) -> str:
 
 
 def _add(remote: dict[str, list[int]], claim: _Pending) -> None:
-    """One claim into summed vectors: a request in flight, its prefill queued, its prompt
-    blocks in the context (its unique blocks are left to the sender's next vector)."""
-    _, backend, prefill, blocks, _ = claim
+    """One claim into summed vectors: requests in flight, prefill tokens queued, prompt blocks
+    in the context (decode sequences and unique blocks are left to the sender's next vector)."""
+    _, backend, in_flight, prefill, blocks, _ = claim
     acc = remote.setdefault(backend, [0, 0, 0, 0, 0])
-    acc[0] += 1
+    acc[0] += in_flight
     acc[1] += prefill
     acc[4] += blocks
