@@ -148,6 +148,14 @@ class BackendLoad(_Figures):
         w[b + 3] = len(self.block_refs)
         w[b + 4] = self.context_blocks
 
+    def note(self, d_in_flight: int, d_prefill: int, d_context: int) -> None:
+        """After a ticket changed the counters: copy them into the shared segment, and tell
+        :attr:`changed` the change (both only where configured)."""
+        if self.words is not None:
+            self.publish()
+        if self.changed is not None:
+            self.changed(self.name, d_in_flight, d_prefill, d_context)
+
     def vector(self) -> list[int]:
         """The counters, in :data:`router.shared_state.LOAD_FIELDS` order."""
         return [self.in_flight, self.prefill_tokens, self.decode_seqs, len(self.block_refs), self.context_blocks]
@@ -199,20 +207,14 @@ class Ticket:
         refs = load.block_refs
         for k in keys:
             refs[k] = refs.get(k, 0) + 1
-        if load.words is not None:
-            load.publish()
-        if load.changed is not None:
-            load.changed(load.name, 1, prefill, len(keys))
+        load.note(1, prefill, len(keys))
 
     def first_token(self) -> None:
         if self.phase == 0:
             self.phase = 1
             self.load.prefill_tokens -= self.prefill
             self.load.decode_seqs += 1
-            if self.load.words is not None:
-                self.load.publish()
-            if self.load.changed is not None:
-                self.load.changed(self.load.name, 0, -self.prefill, 0)
+            self.load.note(0, -self.prefill, 0)
 
     def settle(self, keys: list[int], prefill: int) -> None:
         """Replace the estimate a deferred request was sent with (the keys of its head and
@@ -229,10 +231,7 @@ class Ticket:
         refs = self.load.block_refs
         for k in keys:
             refs[k] = refs.get(k, 0) + 1
-        if self.load.words is not None:
-            self.load.publish()
-        if self.load.changed is not None:
-            self.load.changed(self.load.name, 0, d_prefill, d_context)
+        self.load.note(0, d_prefill, d_context)
 
     def release(self) -> None:
         if self.phase == 2:
@@ -246,10 +245,7 @@ class Ticket:
         self.phase = 2
         load.in_flight -= 1
         self._unref()
-        if load.words is not None:
-            load.publish()
-        if load.changed is not None:
-            load.changed(load.name, -1, d_prefill, -len(self.keys))
+        load.note(-1, d_prefill, -len(self.keys))
 
     def _unref(self) -> None:
         self.load.context_blocks -= len(self.keys)

@@ -164,11 +164,8 @@ class ReplicaLoad:
             if kept:
                 pending[sender] = kept
         self._pending = pending
-        remote = {name: list(v) for name, v in base.items()}
-        for claims in pending.values():
-            for c in claims:
-                _add(remote, c)
-        self.tracker.remote = {name: (v[0], v[1], v[2], v[3], v[4]) for name, v in remote.items()}
+        remote = {name: (v[0], v[1], v[2], v[3], v[4]) for name, v in base.items()}
+        self.tracker.remote = _with(remote, [c for claims in pending.values() for c in claims])
 
     def on_claims(self, sender: str, sent_at: float, claims: list[tuple[int, str, int, int, int]]) -> None:
         """Another replica's claims, pushed as it routed (see "Claims" above): counted at once,
@@ -181,10 +178,7 @@ class ReplicaLoad:
         if not fresh:
             return
         self._pending.setdefault(sender, []).extend(fresh)
-        remote = {name: list(v) for name, v in self.tracker.remote.items()}
-        for c in fresh:
-            _add(remote, c)
-        self.tracker.remote = {name: (v[0], v[1], v[2], v[3], v[4]) for name, v in remote.items()}
+        self.tracker.remote = _with(self.tracker.remote, fresh)
         SHARED_LOAD_CLAIMS.inc(len(fresh))
 
     async def aclose(self) -> None:
@@ -205,11 +199,14 @@ def process_id(replica: str, worker: int) -> str:
     return f"{replica}/{worker}.{os.getpid()}"
 
 
-def _add(remote: dict[str, list[int]], claim: _Pending) -> None:
-    """One claim into summed vectors: requests in flight, prefill tokens queued, prompt blocks
-    in the context (decode sequences and unique blocks are left to the sender's next vector)."""
-    _, backend, in_flight, prefill, blocks, _ = claim
-    acc = remote.setdefault(backend, [0, 0, 0, 0, 0])
-    acc[0] += in_flight
-    acc[1] += prefill
-    acc[4] += blocks
+def _with(remote: dict[str, tuple[int, int, int, int, int]],
+          claims: list[_Pending]) -> dict[str, tuple[int, int, int, int, int]]:
+    """``remote`` (summed vectors, never mutated: policies may hold it) with ``claims`` added:
+    requests in flight, prefill tokens queued, prompt blocks in the context (decode sequences
+    and unique blocks are left to the sender's next vector). Only the claimed backends' entries
+    are rebuilt, so a message costs its claims, not the fleet's size."""
+    out = dict(remote)
+    for _, backend, in_flight, prefill, blocks, _ in claims:
+        r = out.get(backend, (0, 0, 0, 0, 0))
+        out[backend] = (r[0] + in_flight, r[1] + prefill, r[2], r[3], r[4] + blocks)
+    return out
