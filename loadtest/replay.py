@@ -34,6 +34,7 @@ from loadtest import workloads
 from loadtest.workloads import Session, Turn, Workload, WorkloadError
 
 BACKEND_HEADER = "x-kvrouter-backend"
+REASON_HEADER = "x-kvrouter-reason"
 NO_BACKEND = "-"
 
 
@@ -48,6 +49,8 @@ class RequestRecord:
     status: int = 0
     error: str | None = None
     backend: str = NO_BACKEND
+    reason: str | None = None
+    """The router's decision reason, where it sends one (``router.expose_decision_headers``)."""
     ttft_s: float | None = None
     e2e_s: float | None = None
     engine_ttft_s: float | None = None
@@ -222,6 +225,7 @@ class Replayer:
             ) as resp:
                 rec.status = resp.status_code
                 rec.backend = resp.headers.get(BACKEND_HEADER, NO_BACKEND)
+                rec.reason = resp.headers.get(REASON_HEADER)
                 if resp.status_code != 200:
                     detail = (await resp.aread()).decode(errors="replace")[:200]
                     rec.error = f"http {resp.status_code}: {detail}"

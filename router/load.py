@@ -53,6 +53,8 @@ class _Figures:
     """What policies read of a backend's load, for :class:`BackendLoad` and :class:`LoadView` alike."""
 
     __slots__ = ()
+    prefilling: set[Ticket]
+    """This process's requests on the backend still before their first token."""
     in_flight: int
     prefill_tokens: int
     decode_seqs: int
@@ -63,6 +65,42 @@ class _Figures:
     scraped_kv_usage: float | None
 
     scraped_unseen: float
+
+    def shared_prefill_blocks(self, keys: list[int], block_size: int) -> int:
+        """Blocks of a prompt (block keys ``keys``) that requests this process sent here are
+        prefilling now: for each such request, the leading blocks the two prompts share beyond
+        what was cached when it was sent (its prefill starts at block ``len(keys) - prefill //
+        block_size``; vLLM recomputes at least one token, so that holds at the cap too), the
+        union over requests.
+
+        kv_aware does not charge a request for queued work it would share. Read from the
+        tickets, this is the same before and after the engine's events index the blocks
+        (speculative blocks minus indexed ones drops to 0 once they do)."""
+        spans: list[tuple[int, int]] = []
+        for t in self.prefilling:
+            other = t.keys
+            start = len(other) - t.prefill // block_size
+            end = min(len(keys), len(other))
+            if start < 0 or start >= end or keys[start] != other[start]:
+                continue
+            lo, hi = start, end - 1  # keys[lo] matches; chained keys match as a prefix
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if keys[mid] == other[mid]:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            spans.append((start, lo + 1))
+        if len(spans) < 2:
+            return spans[0][1] - spans[0][0] if spans else 0
+        spans.sort()
+        total, reach = 0, 0
+        for a, b in spans:
+            a = max(a, reach)
+            if b > a:
+                total += b - a
+                reach = b
+        return total
 
     def effective_in_flight(self) -> float:
         """Requests on the engine: the router's own count, live, plus what the last scrape saw
@@ -110,6 +148,7 @@ class BackendLoad(_Figures):
         "scraped_unseen",
         "scraped_at",
         "changed",
+        "prefilling",
     )
 
     def __init__(self, name: str) -> None:
@@ -128,6 +167,7 @@ class BackendLoad(_Figures):
         """Requests the engine reported at the last scrape beyond those every worker and
         replica of this router had in flight on it then (see :meth:`effective_in_flight`)."""
         self.scraped_at: float | None = None
+        self.prefilling: set[Ticket] = set()
         self.words: memoryview | None = None
         self.base = 0
         self.changed: Callable[[str, int, int, int], None] | None = None
@@ -167,7 +207,8 @@ class LoadView(_Figures):
     again to see later changes."""
 
     __slots__ = ("name", "in_flight", "prefill_tokens", "decode_seqs", "active_blocks", "context_blocks",
-                 "scraped_waiting", "scraped_running", "scraped_kv_usage", "scraped_unseen", "own")
+                 "scraped_waiting", "scraped_running", "scraped_kv_usage", "scraped_unseen", "own",
+                 "prefilling")
 
     def __init__(self, own: BackendLoad, others: Sequence[int], at: int, remote: Sequence[int] | None) -> None:
         """``others[at:at + 5]``: the other workers' counters (a flat list of rows)."""
@@ -184,6 +225,7 @@ class LoadView(_Figures):
         self.scraped_running = own.scraped_running
         self.scraped_kv_usage = own.scraped_kv_usage
         self.scraped_unseen = own.scraped_unseen
+        self.prefilling = own.prefilling
 
 
 class Ticket:
@@ -204,6 +246,7 @@ class Ticket:
         load.in_flight += 1
         load.prefill_tokens += prefill
         load.context_blocks += len(keys)
+        load.prefilling.add(self)
         refs = load.block_refs
         for k in keys:
             refs[k] = refs.get(k, 0) + 1
@@ -212,6 +255,7 @@ class Ticket:
     def first_token(self) -> None:
         if self.phase == 0:
             self.phase = 1
+            self.load.prefilling.discard(self)
             self.load.prefill_tokens -= self.prefill
             self.load.decode_seqs += 1
             self.load.note(0, -self.prefill, 0)
@@ -240,6 +284,7 @@ class Ticket:
         d_prefill = -self.prefill if self.phase == 0 else 0
         if self.phase == 0:
             load.prefill_tokens -= self.prefill
+            load.prefilling.discard(self)
         else:
             load.decode_seqs -= 1
         self.phase = 2

@@ -204,7 +204,7 @@ def test_kv_aware_load_outweighs_a_small_hit() -> None:
 
 
 def test_speculative_insertion_makes_a_burst_follow_the_first_request() -> None:
-    p = kv()
+    p = kv(share_cap=0)  # the share cap would move the burst's 13th request (see its own test)
     n = 4096 + 32
     prefix = list(range(1, 257))
     first_ctx = ctx(n, keys=prefix + [10_001, 10_002])
@@ -226,6 +226,54 @@ def test_speculative_insertion_makes_a_burst_follow_the_first_request() -> None:
         loads[d.backend].prefill_tokens += 32
 
 
+def test_a_followers_cost_is_the_same_before_and_after_events_index_a_prefix_mid_prefill() -> None:
+    """vLLM publishes BlockStored for each chunk it computes, before the request's first
+    token: a follower sharing the prefix must not be charged the first request's whole
+    prefill once the index shows those blocks (it was, when the credit was speculative
+    blocks minus indexed ones), or it is sent away from the cache it would share."""
+    p = kv()
+    tracker = LoadTracker(["b0", "b1"])
+    prefix = list(range(1, 257))  # 4096 tokens
+    n = 4096 + 32
+    first = ctx(n, keys=prefix + [10_001, 10_002])
+    p.commit(first, p.choose(first, [Candidate(x, True, tracker.get(x)) for x in ("b0", "b1")]))
+    chosen = next(iter(p._speculative_hits(first)))
+    other = "b1" if chosen == "b0" else "b0"
+    ticket = tracker.acquire(chosen, first.keys, n)  # nothing cached: it prefills all of it
+    follower = ctx(n, keys=prefix + [20_001, 20_002])
+
+    def costs(indexed: int) -> tuple[float, float]:
+        cands = [Candidate(x, True, tracker.get(x)) for x in (chosen, other)]
+        cands[0].matched_blocks = indexed
+        cands[0].weighted_blocks = float(indexed)
+        d = p.choose(follower, cands)
+        assert d.backend == chosen, (indexed, d)
+        return cands[0].score, cands[1].score
+
+    before = costs(0)
+    for indexed in (64, 200, 256):  # the engine's events for the chunks computed so far
+        assert costs(indexed) == pytest.approx(before)
+    assert tracker.get(chosen).shared_prefill_blocks(follower.keys, BS) == 256
+    ticket.first_token()
+    assert tracker.get(chosen).shared_prefill_blocks(follower.keys, BS) == 0
+    ticket.release()
+
+
+def test_shared_prefill_blocks_counts_only_the_uncached_part_once() -> None:
+    tracker = LoadTracker(["a"])
+    keys = list(range(1, 11))
+    t1 = tracker.acquire("a", keys[:8], 4 * BS)  # blocks 0-3 were cached; it prefills 4-7
+    t2 = tracker.acquire("a", keys[:6] + [99], 5 * BS)  # prefills 2-6, shares 2-5 with keys
+    t3 = tracker.acquire("a", [500, 501, 502], 3 * BS)  # unrelated
+    load = tracker.get("a")
+    assert load.shared_prefill_blocks(keys, BS) == 6  # blocks 2-7
+    assert load.shared_prefill_blocks(keys[:3], BS) == 1  # block 2 (t2's)
+    assert load.shared_prefill_blocks([7, 8], BS) == 0
+    for t in (t1, t2, t3):
+        t.release()
+    assert load.shared_prefill_blocks(keys, BS) == 0 and not load.prefilling
+
+
 def test_imbalance_guard_spreads_a_prefix_shared_by_everything() -> None:
     # Every request shares only the first block (Mooncake): the backend holding it must
     # not take the whole fleet.
@@ -240,6 +288,53 @@ def test_imbalance_guard_spreads_a_prefix_shared_by_everything() -> None:
         next(l for l in loads if l.name == d.backend).in_flight += 1
     assert max(picks.values()) < 0.5 * 200
     assert p.choose(ctx(64, keys=[7, 1, 2, 3]), [Candidate(l.name, True, l) for l in loads]).backend
+
+
+def test_share_cap_spreads_sessions_of_a_popular_prefix_but_not_long_contexts() -> None:
+    """New sessions that start from one tenant's system prompt all follow its first holder
+    (each saves most of its prompt there). With the share cap, once that backend has more
+    than its share, sessions whose move costs little go to backends under their share; a
+    request whose move would cost a long cached context stays."""
+    system = list(range(1, 101))  # 1,600 tokens shared by every session
+    n = len(system) * BS + 3 * BS
+
+    def hits(cands: list[Candidate], keys: list[int], held: dict[str, set[int]]) -> None:
+        for c in cands:
+            have = held.get(c.backend, set())
+            c.matched_blocks = next((i for i, k in enumerate(keys) if k not in have), len(keys))
+            c.weighted_blocks = float(c.matched_blocks)
+
+    def run(cap: float) -> tuple[Counter[str], KvAware, dict[str, set[int]]]:
+        p = kv(share_cap=cap, share_window=64, share_cap_tokens=2048)
+        held: dict[str, set[int]] = {"b0": set(system)}  # b0 cached the system prompt first
+        picks: Counter[str] = Counter()
+        for i in range(80):
+            keys = system + [10_000 + 3 * i, 10_001 + 3 * i, 10_002 + 3 * i]
+            cands = fleet(4)
+            hits(cands, keys, held)
+            q = ctx(n, keys=keys)
+            d = p.choose(q, cands)
+            p.commit(q, d)
+            picks[d.backend] += 1
+            held.setdefault(d.backend, set()).update(keys)
+        return picks, p, held
+
+    off, _, _ = run(0.0)
+    on, p, held = run(1.15)
+    assert off["b0"] == 80, off
+    assert max(on.values()) <= 1.3 * 80 / 4, on
+    # An agent step over a 4,000-token context cached only on the busiest backend stays.
+    busiest = max(on, key=lambda b: p._recent.get(b, 0.0))
+    context = list(range(50_000, 50_250))
+    held[busiest].update(context)
+    cands = fleet(4)
+    hits(cands, context + [1], held)
+    q = ctx(251 * BS, keys=context + [1])
+    for _ in range(6):
+        p.commit(q, p.choose(q, cands))
+    assert p._recent[busiest] > 1.15 * p._recent_sum / 4  # over its share: the cap is considered
+    d = p.choose(q, cands)
+    assert (d.backend, d.reason) == (busiest, "cache_hit")
 
 
 def test_imbalance_guard_never_overrides_a_long_shared_prefix() -> None:

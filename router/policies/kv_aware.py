@@ -20,9 +20,13 @@ tokens) to backend ``b``, lower is better, in KV blocks::
 - The cap at ``(n - 1) // B`` is vLLM's: the last token is always recomputed.
 - ``prefill_tokens(b)``: uncached prompt tokens of requests the router sent to ``b``
   that have not produced a first token yet (Dynamo's "prefill tokens already queued").
-  ``inflight_hit(b) = max(0, spec(b) - matched(b))`` are this request's prefix blocks
-  that are *being* prefilled there by an earlier request: that part of the queue is work
-  this request would wait for anyway and then share, so it is not charged twice.
+  ``inflight_hit(b)`` are this request's prefix blocks that are *being* prefilled there
+  by an earlier request: that part of the queue is work this request would wait for
+  anyway and then share, so it is not charged twice. It is read off this process's
+  tickets (:meth:`router.load.BackendLoad.shared_prefill_blocks`), so it stays the same
+  when the engine's events index those blocks mid-prefill; ``spec(b) - matched(b)``
+  (blocks sent lately, not indexed yet) is a floor for requests other workers and
+  replicas sent.
 - ``active_blocks(b)``: unique KV blocks held by the router's in-flight requests on ``b``
   (shared prefixes counted once); ``N - matched(b)`` the blocks this request would add.
 - ``context_blocks(b)``: prompt blocks of those requests counted once *per request*, what
@@ -46,11 +50,19 @@ of the prompt compared to the least-loaded backend, the request goes to the leas
 one instead (reason ``load_guard``). Long shared prefixes (a 4k-token document) save
 most of the prompt and are never overridden.
 
+Share cap (``share_cap``, off by default): sessions follow their cache, so the backend that
+first cached a popular system prompt or document, or a few long sessions, ends up with far
+more requests than the others while no single decision looks wrong. When the cheapest
+backend took more than ``share_cap`` times its fair share of the model's recent decisions,
+the request goes to the cheapest backend under its fair share if that costs at most
+``share_cap_tokens`` more (reason ``share_cap``): new sessions on a shared prefix and short
+histories move (and their later turns follow), long contexts stay where they are cached.
+
 Reasons: ``cache_hit`` (chosen backend holds the longest indexed prefix),
 ``speculative_hit`` (only the router's recent decisions put it there), ``load_balance``
 (another backend held more, load outweighed it), ``load_guard``, ``no_events`` (no
 backend of the model has a connected event stream and nothing was sent recently),
-``no_hit`` (events flow, nobody holds the prefix).
+``no_hit`` (events flow, nobody holds the prefix), ``share_cap``.
 """
 
 from __future__ import annotations
@@ -74,6 +86,12 @@ class KvAware:
         self.speculative = ApproxPrefixIndex(weights.speculative_ttl_s, max_blocks)
         self._rng = rng or random.Random()
         self._salts: dict[str, int] = {}
+        self._recent: dict[str, float] = {}
+        """Decisions per backend, each weighed ``_inc`` when made; ``_inc`` grows by
+        ``1 / (1 - 1/share_window)`` a decision, so the shares decay exponentially
+        without touching every backend on every decision."""
+        self._recent_sum = 0.0
+        self._inc = 1.0
 
     def _tie(self, backend: str, key: int) -> int:
         """A tie-break rank every process computes alike (``hash(str)`` is salted per
@@ -98,7 +116,8 @@ class KvAware:
             c.speculative_blocks = s
             matched = max(c.matched_blocks, s)
             hit = min(max(c.weighted_blocks, float(s)), float(cap))
-            inflight_hit = max(0, s - c.matched_blocks)
+            shared = c.load.shared_prefill_blocks(ctx.keys, bs) if c.load.prefilling else 0
+            inflight_hit = max(shared, s - c.matched_blocks)
             queue = max(0, c.load.prefill_tokens - inflight_hit * bs)
             c.score = (w.prefill * ((n - hit * bs) + queue) / bs + w.decode * (c.load.active_blocks + n_blocks - matched)
                        + w.context * (c.load.context_blocks + n_blocks))
@@ -113,14 +132,37 @@ class KvAware:
         best = self._sample(ranked) if w.temperature > 0 and len(ranked) > 1 else ranked[0]
 
         guard = self._guard(best, pool, n, cap, bs)
-        chosen = guard or best
+        moved = guard or (self._capped(best, pool, bs) if w.share_cap > 0 else None)
+        chosen = moved or best
         order = [chosen.backend] + [c.backend for c in ranked if c is not chosen]
-        reason = "load_guard" if guard else self._reason(chosen, pool, ctx)
+        reason = ("load_guard" if guard else "share_cap") if moved else self._reason(chosen, pool, ctx)
         detail: dict[str, float | int | str] = {"cost": chosen.score, "matched_blocks": chosen.matched_blocks, "speculative_blocks": chosen.speculative_blocks}
         return Decision(chosen.backend, reason, order, detail)
 
     def commit(self, ctx: RequestCtx, decision: Decision) -> None:
         self.remember(ctx.keys, decision.backend)
+        if self.w.share_cap > 0:
+            self._count(decision.backend)
+
+    def _count(self, backend: str) -> None:
+        self._inc /= 1.0 - 1.0 / self.w.share_window
+        if self._inc > 1e200:  # rescale long before floats overflow
+            self._recent = {b: v / self._inc for b, v in self._recent.items()}
+            self._recent_sum /= self._inc
+            self._inc = 1.0
+        self._recent[backend] = self._recent.get(backend, 0.0) + self._inc
+        self._recent_sum += self._inc
+
+    def _capped(self, best: Candidate, pool: list[Candidate], bs: int) -> Candidate | None:
+        fair = self._recent_sum / len(pool)
+        if len(pool) < 2 or self._recent.get(best.backend, 0.0) <= self.w.share_cap * fair:
+            return None
+        under = [c for c in pool if self._recent.get(c.backend, 0.0) < fair]
+        if not under:
+            return None
+        alt = min(under, key=lambda c: c.score)
+        extra_tokens = (alt.score - best.score) * bs / (self.w.prefill or 1.0)
+        return alt if extra_tokens <= self.w.share_cap_tokens else None
 
     def _speculative_hits(self, ctx: RequestCtx) -> dict[str, int]:
         """``spec(b)``: leading blocks of the request the router sent to each backend lately."""
