@@ -143,7 +143,8 @@ class KvAwareWeights(_Strict):
     share_cap: float = Field(default=1.2, ge=0.0)
     """Request-share cap (0: off). When the cheapest backend took more than this many times
     its fair share of the model's recent decisions (the last ~``share_window``), a request
-    goes to the cheapest backend under its fair share if that costs at most
+    goes to the cheapest backend under its fair share (while the fleet has a request in flight
+    per backend or more) if that costs at most
     ``share_cap_tokens`` more (in prefill tokens). A session follows its cache, so whichever
     backend holds a popular system prompt or a few long sessions gets most of the requests
     while no single decision looks wrong; this moves the cheap ones (new sessions on a shared

@@ -231,7 +231,7 @@ def test_a_followers_cost_is_the_same_before_and_after_events_index_a_prefix_mid
     token: a follower sharing the prefix must not be charged the first request's whole
     prefill once the index shows those blocks (it was, when the credit was speculative
     blocks minus indexed ones), or it is sent away from the cache it would share."""
-    p = kv()
+    p = kv(share_cap=0)  # the cost alone: one decision is all of the share
     tracker = LoadTracker(["b0", "b1"])
     prefix = list(range(1, 257))  # 4096 tokens
     n = 4096 + 32
@@ -294,7 +294,8 @@ def test_share_cap_spreads_sessions_of_a_popular_prefix_but_not_long_contexts() 
     """New sessions that start from one tenant's system prompt all follow its first holder
     (each saves most of its prompt there). With the share cap, once that backend has more
     than its share, sessions whose move costs little go to backends under their share; a
-    request whose move would cost a long cached context stays."""
+    request whose move would cost a long cached context stays, and so does any request when
+    the fleet is quiet (one user's chat would only lose its cache)."""
     system = list(range(1, 101))  # 1,600 tokens shared by every session
     n = len(system) * BS + 3 * BS
 
@@ -308,15 +309,20 @@ def test_share_cap_spreads_sessions_of_a_popular_prefix_but_not_long_contexts() 
         p = kv(share_cap=cap, share_window=64, share_cap_tokens=2048)
         held: dict[str, set[int]] = {"b0": set(system)}  # b0 cached the system prompt first
         picks: Counter[str] = Counter()
+        tracker = LoadTracker(["b0", "b1", "b2", "b3"])
+        tickets = []
         for i in range(80):
             keys = system + [10_000 + 3 * i, 10_001 + 3 * i, 10_002 + 3 * i]
-            cands = fleet(4)
+            cands = [Candidate(b, True, tracker.get(b)) for b in tracker.backends]
             hits(cands, keys, held)
             q = ctx(n, keys=keys)
             d = p.choose(q, cands)
             p.commit(q, d)
             picks[d.backend] += 1
             held.setdefault(d.backend, set()).update(keys)
+            tickets.append(tracker.acquire(d.backend, keys, 3 * BS))
+            if len(tickets) > 8:  # a few sessions in flight at a time
+                tickets.pop(0).release()
         return picks, p, held
 
     off, _, _ = run(0.0)
@@ -333,8 +339,17 @@ def test_share_cap_spreads_sessions_of_a_popular_prefix_but_not_long_contexts() 
     for _ in range(6):
         p.commit(q, p.choose(q, cands))
     assert p._recent[busiest] > 1.15 * p._recent_sum / 4  # over its share: the cap is considered
+    for c in cands:
+        c.load.in_flight = 1  # a busy fleet, and under the load guard
     d = p.choose(q, cands)
     assert (d.backend, d.reason) == (busiest, "cache_hit")
+    # A short prompt on the busiest backend moves while it is busy, and stays when all are idle.
+    short = system + [77_777]
+    hits(cands, short, held)
+    assert p.choose(ctx(len(short) * BS, keys=short), cands).reason == "share_cap"
+    for c in cands:
+        c.load.in_flight = 0
+    assert p.choose(ctx(len(short) * BS, keys=short), cands).reason != "share_cap"
 
 
 def test_imbalance_guard_never_overrides_a_long_shared_prefix() -> None:

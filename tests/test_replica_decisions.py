@@ -81,8 +81,10 @@ async def round_robin_burst(urls: list[str], n: int, seed: int) -> list[tuple[st
 def replica_config(sim: Any, redis_url: str, *, shared_decisions: bool, events: bool = True) -> dict[str, Any]:
     backends = [sim_backend(sim, i) if events else {"name": f"sim{i}", "url": sim.http(i)} for i in range(sim.instances)]
     return {"models": [model(*backends)], "index": "memory", "index_namespace": f"rd-{random.randrange(1 << 30)}",
+            # The share cap off: these bursts check who follows whom; the cap spreads a burst on
+            # purpose once the leader's backend passes its share (test_policies.py).
             "router": {"shared_load": redis_url, "shared_decisions": shared_decisions, "health_interval_s": 0.5,
-                       "expose_decision_headers": True}}
+                       "expose_decision_headers": True, "weights": {"share_cap": 0}}}
 
 
 def bursts(sim: Any, redis_url: str, tmp: Path, *, shared_decisions: bool, n: int) -> list[list[tuple[str, str]]]:

@@ -84,7 +84,9 @@ def router_url(fleet: dict[str, Any]) -> Iterator[str]:
     port = free_port()
     path = Path(fleet["dir"]) / "router.yaml"
     # One key for both: these tests read /debug/* with the client's key (the keys' separation: test_hardening.py).
-    path.write_text(yaml.safe_dump(fleet_config(fleet, api_key=API_KEY, admin_api_key=API_KEY)))
+    # The share cap off: these tests check that a prompt follows its cache, and the module's
+    # own traffic leaves the backends' shares of it uneven (the cap: test_policies.py).
+    path.write_text(yaml.safe_dump(fleet_config(fleet, api_key=API_KEY, admin_api_key=API_KEY, weights={"share_cap": 0})))
     with Proc(KVROUTER + ["serve", "--config", str(path), "--port", str(port)], Path(fleet["dir"]) / "router.log") as proc:
         wait_http(f"http://127.0.0.1:{port}/health", timeout=120, proc=proc.popen)
         yield f"http://127.0.0.1:{port}"
@@ -408,7 +410,9 @@ def test_prefix_approx_keeps_a_conversation_on_one_backend(fleet: dict[str, Any]
 
 
 def test_burst_sharing_a_new_prefix_follows_the_first_request(fleet: dict[str, Any]) -> None:
-    with InProcessRouter(fleet_config(fleet, policy="kv_aware")) as r:
+    # Speculative insertion alone: with the share cap on, the leader's backend passes its share
+    # within the burst and the cap replicates the prefix on purpose (test_policies.py).
+    with InProcessRouter(fleet_config(fleet, policy="kv_aware", weights={"share_cap": 0})) as r:
         system = unique_text(800)
         probe = httpx.post(r.url + "/debug/route", json={"model": MODEL, "messages": [{"role": "system", "content": system}]}).json()
         assert 3900 <= probe["num_tokens"] <= 4800, probe["num_tokens"]  # a 4k-token prefix
