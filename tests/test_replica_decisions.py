@@ -108,9 +108,9 @@ def test_a_burst_on_a_new_prefix_round_robin_over_3_replicas_lands_on_one_backen
     requests are blind (``no_events``): where they land is then up to the load terms.
     The engines' KV events are left out: the decision memory is then the only thing that
     says where the prefix went, which is what this test is about (with events, a follower
-    that sees the blocks indexed while the first request has not yet answered is charged
-    its whole prefill as queue and may go elsewhere, in one process too: a matter of
-    kv_aware's cost, not of sharing)."""
+    on another replica that sees the blocks indexed while the first request has not yet
+    answered is charged its whole prefill as queue: the in-prefill credit reads only this
+    process's tickets)."""
     sim = sim_fleet("--speedup", "1", instances=3)
     shared = bursts(sim, redis_url, tmp_path, shared_decisions=True, n=4)
     # One straggler in four bursts is allowed on a machine loaded by other jobs (see
