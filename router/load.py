@@ -91,8 +91,6 @@ class _Figures:
                 else:
                     hi = mid - 1
             spans.append((start, lo + 1))
-        if len(spans) < 2:
-            return spans[0][1] - spans[0][0] if spans else 0
         spans.sort()
         total, reach = 0, 0
         for a, b in spans:

@@ -50,7 +50,7 @@ of the prompt compared to the least-loaded backend, the request goes to the leas
 one instead (reason ``load_guard``). Long shared prefixes (a 4k-token document) save
 most of the prompt and are never overridden.
 
-Share cap (``share_cap``, off by default): sessions follow their cache, so the backend that
+Share cap (``share_cap``, default 1.2; 0 turns it off): sessions follow their cache, so the backend that
 first cached a popular system prompt or document, or a few long sessions, ends up with far
 more requests than the others while no single decision looks wrong. When the cheapest
 backend took more than ``share_cap`` times its fair share of the model's recent decisions,
