@@ -40,7 +40,7 @@ from collections.abc import Callable
 
 import msgspec
 import redis.asyncio as aredis
-from prometheus_client import Counter
+from prometheus_client import Counter, Histogram
 
 from router.replica_load import process_id
 from router.shared_prefix import SharedPrefixIndex
@@ -55,6 +55,12 @@ DECISIONS_REPLAYED = Counter(
 )
 DECISIONS_STALE = Counter(
     "kvrouter_shared_decisions_stale", "Other replicas' inserts dropped on arrival: older than speculative_ttl_s",
+)
+DECISIONS_DELAY = Histogram(
+    "kvrouter_shared_decisions_delay_seconds",
+    "Age of another replica's message (its decisions and load claims) on arrival, by the sender's clock: how late "
+    "this process learns what the others just routed",
+    buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0),
 )
 DECISIONS_FAILURES = Counter(
     "kvrouter_shared_decisions_failures", "Publishes and subscriptions of shared decision memory that failed (Redis down or slow)",
@@ -168,9 +174,10 @@ class ReplicaDecisions:
             return
         if message.sender.startswith(self._own_replica):
             return  # this process, or a worker of its supervisor: shared through the ring
+        age = time.time() - message.sent_at
+        DECISIONS_DELAY.observe(max(0.0, age))
         if message.claims and self.on_claims is not None:
             self.on_claims(message.sender, message.sent_at, message.claims)
-        age = time.time() - message.sent_at
         replayed = 0
         for model, backend, stored in message.records:
             memory = self.memories.get(model)

@@ -21,6 +21,7 @@ import pytest
 import redis
 import yaml
 
+from loadtest.fleet import scrape
 from support import KVROUTER, Proc, free_port, wait_for, wait_http
 from test_workers import MODEL, model, prefix_burst, sim_backend
 
@@ -144,6 +145,8 @@ def test_a_dead_replicas_decisions_expire_within_the_ttl(sim_fleet: Any, redis_u
 
         wait_for(lambda: remembered() > 0, "replica b to learn a's decision", timeout=1.0)
         assert b.route(prompt)["backend"] == chosen
+        # How late b heard it is on its /metrics (the lag of every shared decision and load claim).
+        assert 0 < scrape(b.url + "/metrics")["kvrouter_shared_decisions_delay_seconds_count"]
         a.proc.popen.send_signal(signal.SIGKILL)
         wait_for(lambda: remembered() == 0, "a's decision to expire in b", timeout=3)
         assert time.monotonic() - sent_at <= 1.0 + 0.5, "b remembered a dead replica's decision past the TTL"
