@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from router.backends import BackendPool
     from router.load import LoadTracker
 
-_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 _BLOCK_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 REQUESTS = Counter(
@@ -76,17 +76,17 @@ ZERO_BLOCK_REQUESTS = Counter(
     "when it approaches the request rate: wrong seed/algo/block size or dead event streams)",
     ["model"],
 )
-TOKENIZE_SECONDS = Histogram("kvrouter_tokenize_seconds", "Prompt tokenization time", ["model"], buckets=_LATENCY_BUCKETS)
-HASH_SECONDS = Histogram("kvrouter_hash_seconds", "Block hashing time", ["model"], buckets=_LATENCY_BUCKETS)
-LOOKUP_SECONDS = Histogram("kvrouter_lookup_seconds", "Index lookup time", ["model"], buckets=_LATENCY_BUCKETS)
+TOKENIZE_SECONDS = Histogram("kvrouter_tokenize_seconds", "Prompt tokenization time", ["model"], buckets=LATENCY_BUCKETS)
+HASH_SECONDS = Histogram("kvrouter_hash_seconds", "Block hashing time", ["model"], buckets=LATENCY_BUCKETS)
+LOOKUP_SECONDS = Histogram("kvrouter_lookup_seconds", "Index lookup time", ["model"], buckets=LATENCY_BUCKETS)
 OVERHEAD_SECONDS = Histogram(
     "kvrouter_overhead_seconds", "Router time from request body received to upstream request sent", ["model"],
-    buckets=_LATENCY_BUCKETS,
+    buckets=LATENCY_BUCKETS,
 )
 BODY_SECONDS = Histogram(
     "kvrouter_request_body_seconds",
     "Time from request headers to the whole body received: the client's upload, kept out of the overhead",
-    buckets=_LATENCY_BUCKETS,
+    buckets=LATENCY_BUCKETS,
 )
 TOKENIZER_FALLBACKS = Counter(
     "kvrouter_tokenizer_fallbacks", "Requests tokenized remotely because local tokenization was unavailable or switched off",

@@ -42,6 +42,7 @@ import msgspec
 import redis.asyncio as aredis
 from prometheus_client import Counter, Histogram
 
+from router.metrics import LATENCY_BUCKETS
 from router.replica_load import process_id
 from router.shared_prefix import SharedPrefixIndex
 
@@ -60,7 +61,7 @@ DECISIONS_DELAY = Histogram(
     "kvrouter_shared_decisions_delay_seconds",
     "Age of another replica's message (its decisions and load claims) on arrival, by the sender's clock: how late "
     "this process learns what the others just routed",
-    buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0),
+    buckets=LATENCY_BUCKETS,
 )
 DECISIONS_FAILURES = Counter(
     "kvrouter_shared_decisions_failures", "Publishes and subscriptions of shared decision memory that failed (Redis down or slow)",
