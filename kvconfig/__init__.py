@@ -243,6 +243,12 @@ class RouterSettings(_Strict):
     token, its end) is also pushed to the other replicas at once (router/replica_load.py,
     "Claims"): between two load intervals they would otherwise weigh requests that have moved
     on, and miss new ones. ``false`` is the ablation docs/scaling.md measures."""
+    shared_sequence: bool = True
+    """With ``shared_load_claims``, kv_aware's decisions are committed to one order in Redis
+    before their requests are sent (router/replica_sequence.py): a decision that other replicas'
+    commits overtook is made again with them counted, so requests that reach several replicas
+    at the same instant are decided as one process would, one after another. One Redis round
+    trip per request. ``false`` is the ablation docs/scaling.md measures."""
     shared_decisions_interval_s: float = Field(default=0.002, ge=0)
     """After publishing its decisions, a process waits this long before the next publish
     (what came meanwhile goes out in one message): at most 1/interval publishes a second,

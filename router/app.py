@@ -88,6 +88,7 @@ def create_app(config: Config, index: Index | None = None) -> Endpoints:
         forwarded, client_auth = upstream_headers(request)
         raw, body, started = await read_json(request)
         decided = await router.path.decide(body, len(raw), kind, request.headers, act=True)
+        await router.path.order(decided)
         return router.path.send(decided, path, raw, forwarded, client_auth, started)
 
     @route("/v1/chat/completions", "POST")
@@ -138,7 +139,7 @@ def create_app(config: Config, index: Index | None = None) -> Endpoints:
 
     @route("/metrics", "GET")
     async def prometheus(_: Request) -> Response:
-        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+        return Response(await metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     @route("/debug/route", "POST")
     async def debug_route(request: Request) -> Response:

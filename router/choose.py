@@ -84,6 +84,8 @@ class Decided:
     lookup_s: float = 0.0
     backend: str = ""
     """Where it was sent last (a retry moves it): set by :func:`commit`."""
+    sequence_number: int = 0
+    """Its number in the replicas' shared order, once committed there (:mod:`router.replica_sequence`)."""
 
     @property
     def rt(self) -> ModelRuntime:

@@ -168,6 +168,13 @@ class Router:
                 if self.settings.shared_load_claims:
                     self.loads.push_changes(self.replica_decisions.claim)
                     self.replica_decisions.on_claims = self.replica_load.on_claims
+                    if self.settings.shared_sequence:
+                        from router.replica_sequence import ReplicaSequence
+
+                        self.replica_decisions.on_sent = self.replica_load.on_sent
+                        self.path.sequencer = ReplicaSequence(
+                            self.replica_load.redis, self.config.index_namespace, self.replica, self.worker,
+                            self.replica_load, self.replica_decisions, self.settings.shared_load_ttl_s)
         for rt in self.models:
             if rt.engines is not None:
                 await rt.engines.start()

@@ -282,13 +282,19 @@ class _Fleet(Collector):
             yield from c.collect()
 
 
-def exposition() -> bytes:
+async def exposition() -> bytes:
     """The ``/metrics`` page: this process's registry, or with workers every worker's
-    series summed (see the module docstring)."""
+    series summed (see the module docstring). A worker writes its updates to its file in
+    batches (:mod:`router.metric_values`): this one flushes its own, then waits out one
+    flush period of the others, so the page holds everything counted before it was asked."""
     if not multiprocess():
         return generate_latest(REGISTRY)
     from prometheus_client import multiprocess as mp
 
+    from router import metric_values
+
+    metric_values.flush()
+    await asyncio.sleep(2 * metric_values.FLUSH_S)
     registry = CollectorRegistry()
     mp.MultiProcessCollector(registry)
     registry.register(_Fleet())

@@ -82,6 +82,9 @@ class Message(msgspec.Struct, array_like=True):
     records: list[Record]
     claims: list[Claim] = []
     """Absent from the messages of routers that do not push claims."""
+    sent: list[int] = []
+    """Decision numbers of the requests whose first claim is in ``claims``: their entries in
+    the replicas' shared order (:mod:`router.replica_sequence`) give way to the claims."""
 
 
 _encode = msgspec.msgpack.Encoder().encode
@@ -101,9 +104,12 @@ class ReplicaDecisions:
         self.memories: dict[str, SharedPrefixIndex] = {}
         self._queued: list[Record] = []
         self._claims: list[Claim] = []
+        self._sent: list[int] = []
         self._wake = asyncio.Event()
         self.on_claims: Callable[[str, float, list[Claim]], None] | None = None
         """Receives the other replicas' claims (:meth:`router.replica_load.ReplicaLoad.on_claims`)."""
+        self.on_sent: Callable[[str, list[int]], None] | None = None
+        """Receives the decision numbers those claims name (:meth:`router.replica_load.ReplicaLoad.on_sent`)."""
 
     def attach(self, model: str, memory: SharedPrefixIndex) -> None:
         """Share ``memory`` (one model's policy memory) with the other replicas."""
@@ -121,6 +127,12 @@ class ReplicaDecisions:
         self._claims.append((number, backend, in_flight, prefill, blocks))
         self._wake.set()
 
+    def acquired(self, number: int) -> None:
+        """Name decision ``number`` (committed to the shared order) in the message that carries
+        its request's first claim, pushed just before this call."""
+        self._sent.append(number)
+        self._wake.set()
+
     async def run_forever(self) -> None:
         await asyncio.gather(self._publish_forever(), self._replay_forever())
 
@@ -131,8 +143,9 @@ class ReplicaDecisions:
             self._wake.clear()
             batch, self._queued = self._queued, []
             claims, self._claims = self._claims, []
+            sent, self._sent = self._sent, []
             try:
-                await self.redis.publish(self.channel, _encode(Message(self.me, time.time(), batch, claims)))
+                await self.redis.publish(self.channel, _encode(Message(self.me, time.time(), batch, claims, sent)))
                 DECISIONS_PUBLISHED.inc(len(batch))
                 failing = False
             except Exception as e:  # noqa: BLE001 - Redis down or slow: these are hints, drop them
@@ -179,6 +192,8 @@ class ReplicaDecisions:
         DECISIONS_DELAY.observe(max(0.0, age))
         if message.claims and self.on_claims is not None:
             self.on_claims(message.sender, message.sent_at, message.claims)
+        if message.sent and self.on_sent is not None:
+            self.on_sent(message.sender, message.sent)
         replayed = 0
         for model, backend, stored in message.records:
             memory = self.memories.get(model)

@@ -106,6 +106,12 @@ class ReplicaLoad:
         self._covered: dict[str, int] = {}
         """Per other process: the claims its last vector includes."""
         self._pending: dict[str, list[_Pending]] = {}
+        self._reserved: dict[tuple[str, int], _Pending] = {}
+        """Other processes' decisions counted from the shared order before their claims came
+        (:mod:`router.replica_sequence`), by (sender, decision number)."""
+        self._sent: dict[tuple[str, int], float] = {}
+        """(sender, decision number) of the claims received lately: an entry of the order that
+        arrives after its claim is not counted again."""
 
     async def run_forever(self) -> None:
         failing = False
@@ -125,6 +131,7 @@ class ReplicaLoad:
                     self.tracker.remote = {}
                     self.peers = {}
                     self._pending = {}
+                    self._reserved = {}
             await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))
 
     async def round(self) -> None:
@@ -164,8 +171,10 @@ class ReplicaLoad:
             if kept:
                 pending[sender] = kept
         self._pending = pending
+        self._reserved = {k: r for k, r in self._reserved.items() if now - r[5] < self.ttl_s}
+        self._sent = {k: t for k, t in self._sent.items() if now - t < 2 * self.ttl_s}
         remote = {name: (v[0], v[1], v[2], v[3], v[4]) for name, v in base.items()}
-        self.tracker.remote = _with(remote, [c for claims in pending.values() for c in claims])
+        self.tracker.remote = _with(remote, [c for claims in pending.values() for c in claims] + list(self._reserved.values()))
 
     def on_claims(self, sender: str, sent_at: float, claims: list[tuple[int, str, int, int, int]]) -> None:
         """Another replica's claims, pushed as it routed (see "Claims" above): counted at once,
@@ -180,6 +189,33 @@ class ReplicaLoad:
         self._pending.setdefault(sender, []).extend(fresh)
         self.tracker.remote = _with(self.tracker.remote, fresh)
         SHARED_LOAD_CLAIMS.inc(len(fresh))
+
+    def known_at(self, sender: str, number: int) -> float | None:
+        """When this process first counted ``sender``'s decision ``number`` (reserved from the
+        shared order, or its claim received), or None."""
+        r = self._reserved.get((sender, number))
+        return r[5] if r is not None else self._sent.get((sender, number))
+
+    def reserve(self, sender: str, number: int, backend: str, prefill: int, context: int) -> None:
+        """Count another process's decision, read from the shared order, as one request on
+        ``backend`` until its claim arrives (:meth:`on_sent`)."""
+        if backend in self.tracker.backends:
+            r = self._reserved[(sender, number)] = (0, backend, 1, prefill, context, time.monotonic())
+            self.tracker.remote = _with(self.tracker.remote, [r])
+
+    def on_sent(self, sender: str, numbers: list[int]) -> None:
+        """The claims of ``sender``'s decisions ``numbers`` arrived (and were counted by
+        :meth:`on_claims`): their reservations give way."""
+        now = time.monotonic()
+        gone: list[_Pending] = []
+        for number in numbers:
+            key = (sender, number)
+            r = self._reserved.pop(key, None)
+            self._sent.setdefault(key, now if r is None else r[5])
+            if r is not None:
+                gone.append((0, r[1], -r[2], -r[3], -r[4], now))
+        if gone:
+            self.tracker.remote = _with(self.tracker.remote, gone)
 
     async def aclose(self) -> None:
         """Withdraw this process's vector at once (a clean stop need not wait for the TTL)."""

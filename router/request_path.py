@@ -9,13 +9,15 @@ Every OpenAI request takes these stages in this order, each in a module of its o
    remembered history's keys) with the rest owed to the background;
 4. **look up** (the index, :mod:`indexer.index`): leading blocks per backend and tier;
 5. **choose** (:mod:`router.choose`): candidates with their load; the policy decides;
+   replicas then commit the decision to the order they share, deciding again if other
+   replicas' decisions overtook it (:meth:`RequestPath.order`, :mod:`router.replica_sequence`);
 6. **send** (:mod:`router.proxy`): the original bytes to the chosen backend, retried on
    the next before any byte came back, relayed as they arrive;
 7. **settle** (:mod:`router.settle`): what the plan owes, on the background thread.
 
 Stages 1-5 are pure deciding (:meth:`RequestPath.decide`): they change no routing state,
 count nothing and start nothing, so ``POST /debug/route`` runs them too (on the exact ids).
-:meth:`RequestPath.send` is the acting half: the load ticket, the policy's commit, the
+:meth:`RequestPath.order` and :meth:`RequestPath.send` are the acting half: the load ticket, the policy's commit, the
 counters, the owed work and the proxied exchange.
 
 Completions with a list of prompts are routed on the first prompt (all are checked
@@ -27,7 +29,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from indexer.index import Index, Worker
 from router import metrics
@@ -43,8 +45,11 @@ from router.proxy import ProxyResponse, Upstream, Upstreams
 from router.runtime import ModelRuntime, Models
 from router.settle import Settler
 
+if TYPE_CHECKING:
+    from router.replica_sequence import ReplicaSequence
 
-@dataclass(frozen=True, slots=True)
+
+@dataclass(slots=True)
 class RequestPath:
     """The stages wired together for one router (built by :class:`router.core.Router`)."""
 
@@ -60,6 +65,8 @@ class RequestPath:
     """Models whose index another process's subscriber fills (``kvrouter indexer`` into
     Redis) and holds blocks of their backends: events count as connected for them
     (kept by :meth:`router.core.Router._watch_index_feed`)."""
+    sequencer: ReplicaSequence | None = None
+    """Commits decisions to the order replicas share (``router.shared_sequence``; set at start)."""
 
     async def decide(self, body: dict[str, Any], raw_len: int, kind: str, headers: Any, *, act: bool = False) -> Decided:
         """Stages 2-5 for a parsed body. With ``act`` (a request about to be sent) the plan
@@ -108,6 +115,25 @@ class RequestPath:
             decision.detail["deferred_tokens"] = plan.num_tokens
         return Decided(q, plan, ctx, cands, decision, lookup_s)
 
+    async def order(self, d: Decided) -> None:
+        """Stage 5b, replicas only: commit the decision to the order all replicas share,
+        deciding again if other replicas' decisions overtook it (:mod:`router.replica_sequence`).
+        :meth:`send` must follow at once, without an ``await`` in between."""
+        if self.sequencer is not None and self.sequencer.applies(d):
+            await self.sequencer.order(d, self._decide_again)
+
+    def _decide_again(self, d: Decided) -> None:
+        """Stage 5 again, on the same lookup, with the load and prefixes counted since."""
+        for c in d.candidates:
+            c.load = self.loads.get(c.backend)
+        before = d.decision
+        d.decision = d.rt.policy.choose(d.ctx, d.candidates)
+        if before.reason == "fallback":
+            d.decision.reason = "fallback"
+        for key in ("prepare_s", "deferred_tokens"):
+            if key in before.detail:
+                d.decision.detail[key] = before.detail[key]
+
     async def _look_up(self, rt: ModelRuntime, keys: list[int]) -> tuple[dict[Worker, dict[str, int]], float]:
         t0 = time.perf_counter()
         hits = await self.index.lookup(rt.name, keys)
@@ -123,6 +149,8 @@ class RequestPath:
         chosen = d.decision.backend  # 6. send
         prefill = prefill_tokens(d.ctx, d.candidates)
         ticket = self.loads.acquire(chosen, d.ctx.keys, prefill[chosen])
+        if d.sequence_number and self.sequencer is not None:
+            self.sequencer.sent(d.sequence_number)
         try:
             commit(d, chosen)
             _count(d)

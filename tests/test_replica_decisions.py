@@ -21,7 +21,7 @@ import pytest
 import redis
 import yaml
 
-from loadtest.fleet import scrape
+from loadtest.fleet import scrape, scrape_labelled
 from support import KVROUTER, Proc, free_port, wait_for, wait_http
 from test_workers import MODEL, model, prefix_burst, sim_backend
 
@@ -182,3 +182,54 @@ def test_a_miss_on_an_indexer_fed_redis_index_is_no_hit(sim_fleet: Any, redis_ur
             assert router.route(cold + " again")["events_connected"] is True
         finally:
             router.proc.stop()
+
+
+async def simultaneous(urls: list[str], seed: int) -> list[str]:
+    """One cold, distinct ~300-token prompt to each replica, all sent at the same instant: where each went."""
+    words = random.Random(seed).choices(["alpha", "beta", "gamma", "delta", "omega", "sigma", "kappa"], k=900)
+    prompts = [f"{i} {seed} " + " ".join(words[i * 300:(i + 1) * 300]) for i in range(len(urls))]
+    async with httpx.AsyncClient(timeout=60) as c:
+        go = asyncio.Event()
+
+        async def one(url: str, prompt: str) -> str:
+            await go.wait()
+            r = await c.post(url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 4})
+            assert r.status_code == 200, r.text
+            return r.headers["x-kvrouter-backend"]
+
+        tasks = [asyncio.ensure_future(one(u, p)) for u, p in zip(urls, prompts)]
+        await asyncio.sleep(0.05)  # every connection made before the start
+        go.set()
+        return list(await asyncio.gather(*tasks))
+
+
+def test_requests_reaching_3_replicas_at_once_are_spread_as_one_process_spreads_them(sim_fleet: Any, redis_url: str,
+                                                                                     tmp_path: Path) -> None:
+    """Three cold prompts, one to each of 3 replicas at the same instant, over 3 idle backends:
+    one process decides them one after another and sends one to each backend. Blind replicas
+    each pick the least-loaded backend by their own tie-break (all three on one backend in
+    some of the bursts); committed to the shared order (router/replica_sequence.py), a
+    decision that another replica's overtook is made again with it counted, so every burst
+    lands one on each backend, and the replicas' metrics show decisions that moved."""
+    sim = sim_fleet("--speedup", "1", instances=3)
+    config = replica_config(sim, redis_url, shared_decisions=True, events=False)
+    # No engine scrapes: one taken mid-burst leaves a replica counting the others' requests
+    # twice (as unseen by it) until the next, a different view of the next burst's start.
+    config["router"]["metrics_scrape_interval_s"] = 3600
+    replicas = start(config, tmp_path, 3, "seq")
+    try:
+        urls = [r.url for r in replicas]
+        spreads = []
+        for burst in range(6):
+            spreads.append(sorted(collections.Counter(asyncio.run(simultaneous(urls, random.randrange(1 << 30)))).values()))
+            wait_for(lambda: all(b["load"]["in_flight"] == 0 for b in httpx.get(urls[0] + "/debug/backends", timeout=5)
+                                 .json()["backends"]), "the burst to end", timeout=30)
+        assert all(s == [1, 1, 1] for s in spreads), spreads
+        outcomes: collections.Counter[str] = collections.Counter()
+        for url in urls:
+            outcomes.update(scrape_labelled(url + "/metrics", "kvrouter_sequenced_decisions_total", "outcome"))
+        assert outcomes["failed"] == 0 and outcomes["first"] + outcomes["again"] + outcomes["moved"] == 18, outcomes
+        assert outcomes["again"] + outcomes["moved"] > 0, outcomes
+    finally:
+        for r in replicas:
+            r.proc.stop()
