@@ -14,11 +14,14 @@ only an order can.
 replica passes its *cursor*: the last entry of the stream it has taken into account. If
 other replicas committed entries after it, the script commits nothing and returns them; the
 replica counts them (their requests as load on the backends they chose, their prefixes in
-kv_aware's memory), decides again with the same policy, and commits again. After
-:data:`ATTEMPTS` tries the decision is committed whatever came meanwhile. So every committed
+kv_aware's memory), decides again with the same policy, and commits again (entries it had
+already counted before deciding, from their claims, do not make it decide again). The
+:data:`ATTEMPTS`-th decision is committed whatever came meanwhile. So every committed
 decision saw every decision committed before it, as in one process, at the price of one
-round trip to Redis per request (more in a burst: one per retry). This is optimistic
-concurrency, not a lock: nothing waits while another replica decides.
+round trip to Redis per request (more in a burst: one per retry). Across replicas this is
+optimistic concurrency: no replica waits while another decides. Within one process the
+commits go one at a time (:meth:`ReplicaSequence.order`), so that its own decisions see each
+other as they do without sequencing.
 
 **No double counting.** An entry counted from the stream is a *reservation* (sender,
 decision number) in :class:`router.replica_load.ReplicaLoad`. The sender's message that
