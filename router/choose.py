@@ -85,7 +85,8 @@ class Decided:
     backend: str = ""
     """Where it was sent last (a retry moves it): set by :func:`commit`."""
     sequence_number: int = 0
-    """Its number in the replicas' shared order, once committed there (:mod:`router.replica_sequence`)."""
+    """Its number in the replicas' shared order (:mod:`router.replica_sequence`), 0 if not
+    ordered; its load claim names it."""
 
     @property
     def rt(self) -> ModelRuntime:

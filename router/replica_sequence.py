@@ -178,7 +178,6 @@ class ReplicaSequence:
                 committed, news, last = await asyncio.wait_for(self._commit(d, cursor, force, decided_at), TIMEOUT_S)
             except Exception as e:  # noqa: BLE001 - Redis down or slow: go as decided alone
                 SEQUENCED.labels("failed").inc()
-                d.sequence_number = 0
                 if not self._failing:
                     log.warning("shared sequence: cannot commit to Redis (%r); deciding alone until it answers", e)
                 self._failing = True
