@@ -233,3 +233,36 @@ def test_requests_reaching_3_replicas_at_once_are_spread_as_one_process_spreads_
     finally:
         for r in replicas:
             r.proc.stop()
+
+
+def test_a_reservation_gives_way_to_its_claim_and_one_never_claimed_expires(redis_url: str) -> None:
+    """Another replica's decision counted from the shared order is one request on its backend
+    until the claim that names it arrives (then the claim alone counts it: once, not twice),
+    and a reservation whose claim never comes (its sender died before sending) is gone after
+    the TTL: no phantom load."""
+    from router.load import LoadTracker
+    from router.replica_load import ReplicaLoad
+
+    async def main() -> None:
+        tracker = LoadTracker(["a", "b"])
+        tracker.share(None, 0)
+        load = ReplicaLoad(redis_url, f"res-{random.randrange(1 << 30)}", "me", 0, tracker, interval_s=0.05, ttl_s=0.5)
+        try:
+            other = "other/0.1"
+            load.reserve(other, 7, "a", 300, 19)
+            assert (tracker.get("a").in_flight, tracker.get("a").prefill_tokens) == (1, 300)
+            load.on_claims(other, time.time(), [(1, "a", 1, 300, 19)])
+            load.on_sent(other, [7])
+            assert (tracker.get("a").in_flight, tracker.get("a").prefill_tokens) == (1, 300)
+            assert load.known_at(other, 7) is not None and load.known_at(other, 8) is None
+            load.reserve(other, 8, "b", 100, 5)
+            assert tracker.get("b").in_flight == 1
+            await load.round()
+            assert tracker.get("b").in_flight == 1, "a live reservation dropped before the TTL"
+            await asyncio.sleep(0.6)
+            await load.round()
+            assert tracker.get("b").in_flight == 0 and tracker.get("b").prefill_tokens == 0
+        finally:
+            await load.aclose()
+
+    asyncio.run(main())
