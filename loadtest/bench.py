@@ -275,8 +275,9 @@ def run_policy(workload: Workload, spec: FleetSpec | VllmSpec, policy: str, work
         # A peer has no /debug/route, and its /metrics proxies an engine's page.
         kvrouter = isinstance(router, (Router, Replicas))
         overhead = probe_overhead(router.url, list(workload.turns()), spec.model) if kvrouter else None
+        sequenced: dict[str, float] = {}
         if isinstance(router, Replicas):  # every replica's counters, summed
-            router_metrics, reasons = router.metrics(), router.reasons()
+            router_metrics, reasons, sequenced = router.metrics(), router.reasons(), router.sequenced()
         else:
             router_metrics = _try(scrape, router.url + "/metrics") if kvrouter else {}
             reasons = _try(scrape_labelled, router.url + "/metrics", "kvrouter_routing_decisions_total", "reason") if kvrouter else {}
@@ -308,6 +309,7 @@ def run_policy(workload: Workload, spec: FleetSpec | VllmSpec, policy: str, work
     }
     if isinstance(router, Replicas):
         result["replica_decisions"] = router.decisions
+        result["sequenced_decisions"] = {k: int(v) for k, v in sequenced.items()}
     write_records(res.records, workdir / f"records-{slug}.jsonl")
     return PolicyRun(result, report.PolicyTrace(policy, res.records, sampler.samples, spec.speedup))
 

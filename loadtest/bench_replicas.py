@@ -149,14 +149,23 @@ class Replicas:
     def reasons(self) -> dict[str, float]:
         """Routing decisions by reason, over every replica; each replica's total lands in
         :attr:`decisions` (results.json's ``replica_decisions``: the spread really happened)."""
-        total: dict[str, float] = {}
         self.decisions = []
+        return self._labelled("kvrouter_routing_decisions_total", "reason", self.decisions)
+
+    def sequenced(self) -> dict[str, float]:
+        """Decisions committed to the replicas' shared order by outcome (first, again, moved,
+        failed: router/replica_sequence.py), over every replica."""
+        return self._labelled("kvrouter_sequenced_decisions_total", "outcome")
+
+    def _labelled(self, sample: str, label: str, per_replica: list[int] | None = None) -> dict[str, float]:
+        total: dict[str, float] = {}
         for u in self.urls:
             try:
-                page = scrape_labelled(u + "/metrics", "kvrouter_routing_decisions_total", "reason")
+                page = scrape_labelled(u + "/metrics", sample, label)
             except (httpx.HTTPError, ValueError):
                 page = {}
-            self.decisions.append(int(sum(page.values())))
+            if per_replica is not None:
+                per_replica.append(int(sum(page.values())))
             for k, v in page.items():
                 total[k] = total.get(k, 0.0) + v
         return total

@@ -59,6 +59,9 @@ def test_two_replicas_on_redis_share_the_requests(tmp_path: Path) -> None:
     # Both replicas routed (sessions round-robin), and between them every request (+ the decision probe's).
     assert len(run["replica_decisions"]) == 2 and all(n > 0 for n in run["replica_decisions"])
     assert sum(run["replica_decisions"]) >= 20
+    # Every decision was committed to the replicas' shared order (router.shared_sequence, on by default).
+    sequenced = run["sequenced_decisions"]
+    assert sum(sequenced.values()) >= 20 and sequenced.get("failed", 0) == 0, sequenced
     # kv_aware found cache through the Redis index the indexer fed.
     assert run["cached_tokens"] > 0
     assert "- router_replicas: 2" in (tmp_path / "report.md").read_text()
