@@ -47,6 +47,7 @@ import msgspec
 import redis.asyncio as aredis
 from prometheus_client import Counter
 
+from router import metrics
 from router.choose import uncached
 from router.replica_load import process_id
 from router.shared_prefix import stored_keys
@@ -164,9 +165,9 @@ class ReplicaSequence:
         async with self._lock:
             if waited:
                 decide_again(d)
-            await self._commit_until_first(d, decide_again)
+            await self._commit_in_order(d, decide_again)
 
-    async def _commit_until_first(self, d: Decided, decide_again: Callable[[Decided], None]) -> None:
+    async def _commit_in_order(self, d: Decided, decide_again: Callable[[Decided], None]) -> None:
         self._number += 1
         d.sequence_number = self._number
         first = d.decision.backend
@@ -177,14 +178,15 @@ class ReplicaSequence:
             try:
                 committed, news, last = await asyncio.wait_for(self._commit(d, cursor, force, decided_at), TIMEOUT_S)
             except Exception as e:  # noqa: BLE001 - Redis down or slow: go as decided alone
-                SEQUENCED.labels("failed").inc()
+                metrics.child(SEQUENCED, "failed").inc()
                 if not self._failing:
                     log.warning("shared sequence: cannot commit to Redis (%r); deciding alone until it answers", e)
                 self._failing = True
                 return
             self._failing = False
             if committed:
-                SEQUENCED.labels("moved" if d.decision.backend != first else "again" if overtaken else "first").inc()
+                outcome = "moved" if d.decision.backend != first else "again" if overtaken else "first"
+                metrics.child(SEQUENCED, outcome).inc()
                 return
             tries += 1
             if news:
