@@ -127,7 +127,7 @@ class ReplicaDecisions:
         self._claims.append((number, backend, in_flight, prefill, blocks))
         self._wake.set()
 
-    def acquired(self, number: int) -> None:
+    def sent(self, number: int) -> None:
         """Name decision ``number`` (committed to the shared order) in the message that carries
         its request's first claim, pushed just before this call."""
         self._sent.append(number)

@@ -26,7 +26,7 @@ other as they do without sequencing.
 **No double counting.** An entry counted from the stream is a *reservation* (sender,
 decision number) in :class:`router.replica_load.ReplicaLoad`. The sender's message that
 carries the request's load claim also carries its decision number
-(:meth:`router.replica_decisions.ReplicaDecisions.acquired`), and the reservation gives way
+(:meth:`router.replica_decisions.ReplicaDecisions.sent`), and the reservation gives way
 to the claim then. A reservation whose claim never comes (the sender died, or failed to send
 the request) expires after ``shared_load_ttl_s``.
 
@@ -198,7 +198,7 @@ class ReplicaSequence:
 
     def sent(self, number: int) -> None:
         """Decision ``number`` was sent: its load claim, pushed just now, names it."""
-        self.decisions.acquired(number)
+        self.decisions.sent(number)
 
     async def _commit(self, d: Decided, cursor: str, force: bool, decided_at: float) -> tuple[bool, bool, str]:
         """One try, for a decision made at ``decided_at`` knowing the stream up to ``cursor``
