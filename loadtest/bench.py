@@ -276,8 +276,10 @@ def run_policy(workload: Workload, spec: FleetSpec | VllmSpec, policy: str, work
         kvrouter = isinstance(router, (Router, Replicas))
         overhead = probe_overhead(router.url, list(workload.turns()), spec.model) if kvrouter else None
         sequenced: dict[str, float] = {}
+        sequence_ms: dict[str, float] = {}
         if isinstance(router, Replicas):  # every replica's counters, summed
             router_metrics, reasons, sequenced = router.metrics(), router.reasons(), router.sequenced()
+            sequence_ms = router.sequence_ms()
         else:
             router_metrics = _try(scrape, router.url + "/metrics") if kvrouter else {}
             reasons = _try(scrape_labelled, router.url + "/metrics", "kvrouter_routing_decisions_total", "reason") if kvrouter else {}
@@ -310,6 +312,7 @@ def run_policy(workload: Workload, spec: FleetSpec | VllmSpec, policy: str, work
     if isinstance(router, Replicas):
         result["replica_decisions"] = router.decisions
         result["sequenced_decisions"] = {k: int(v) for k, v in sequenced.items()}
+        result["sequence_ms"] = sequence_ms
     write_records(res.records, workdir / f"records-{slug}.jsonl")
     return PolicyRun(result, report.PolicyTrace(policy, res.records, sampler.samples, spec.speedup))
 
@@ -572,8 +575,9 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="router replicas per kvrouter policy, on one Redis index fed by kvrouter indexer, sessions "
                         "spread round-robin over them (default 1: one router, in-memory index; needs redis-server)")
     p.add_argument("--router-index", choices=("memory", "redis"), default=None,
-                   help="redis: even one replica reads a Redis index fed by kvrouter indexer (default: memory for "
-                        "one replica, redis for several)")
+                   help="redis: even one replica reads a Redis index fed by kvrouter indexer; memory with several "
+                        "replicas: each follows the engines' events into its own index, sharing only load, decisions "
+                        "and order through Redis (default: memory for one replica, redis for several)")
     p.add_argument("--router-setting", action="append", default=[], metavar="KEY=VALUE",
                    help="another router config key for kvrouter's routers, e.g. share_worker_state=false (repeatable)")
     add_workload_args(p)
@@ -594,10 +598,9 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         raise WorkloadError("--repeats must be >= 1")
     if args.router_workers < 1 or args.router_replicas < 1:
         raise WorkloadError("--router-workers and --router-replicas must be >= 1")
-    if args.router_index == "memory" and args.router_replicas > 1:
-        raise WorkloadError("--router-index memory: several replicas share a Redis index")
     shape = RouterShape(args.router_workers, args.router_replicas, parse_settings(args.router_setting),
-                        redis_index=args.router_index == "redis")
+                        redis_index=args.router_index == "redis",
+                        local_index=args.router_index == "memory" and args.router_replicas > 1)
     exact = [p for p in policies if p in EXACT_STATE_POLICIES]
     if exact and isinstance(spec, VllmSpec):
         raise WorkloadError(f"{', '.join(exact)} read the simulator's exact engine state: not with --fleet vllm")

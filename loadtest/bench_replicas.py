@@ -44,6 +44,10 @@ class RouterShape:
     redis_index: bool = False
     """One replica on the Redis index too: separates what the index path costs from what
     spreading decisions over replicas costs (more than one replica always uses Redis)."""
+    local_index: bool = False
+    """Several replicas, each following the engines' KV events into its own in-memory index
+    (``index: memory``), Redis carrying only their load, decisions and order
+    (``router.shared_load``): no ``kvrouter indexer``, and a lookup never leaves the process."""
 
     @property
     def on_redis(self) -> bool:
@@ -52,7 +56,9 @@ class RouterShape:
     def meta(self) -> dict[str, Any]:
         """What results.json's meta and report.md's header record."""
         out: dict[str, Any] = {"router_workers": self.workers, "router_replicas": self.replicas}
-        if self.on_redis:
+        if self.local_index:
+            out["router_index"] = "memory per replica (each follows the engines' events), load shared through Redis"
+        elif self.on_redis:
             out["router_index"] = "redis (kvrouter indexer), load shared through Redis"
         if self.settings:
             out["router_settings"] = self.settings
@@ -82,7 +88,8 @@ def parse_settings(items: list[str]) -> dict[str, Any]:
 
 
 class Replicas:
-    """Redis, ``kvrouter indexer`` and R ``kvrouter serve`` on one index; all stopped on exit."""
+    """Redis, ``kvrouter indexer`` and R ``kvrouter serve`` on one index (or R ``kvrouter
+    serve`` on their own in-memory indexes: :attr:`RouterShape.local_index`); all stopped on exit."""
 
     def __init__(self, fleet: EngineFleet, policy: str, workdir: Path, shape: RouterShape,
                  weights: dict[str, Any] | None = None) -> None:
@@ -124,11 +131,15 @@ class Replicas:
         if self.weights:
             router["weights"] = self.weights
         config = {"models": [self.fleet.model_config()], "router": router, "index": redis.url}
-        path = self.workdir / "indexer.yaml"
-        path.write_text(yaml.safe_dump(config))
-        indexer = IndexerChild(path, self.workdir)
-        self._stack.callback(indexer.stop)
-        _wait_for_streams(f"http://127.0.0.1:{indexer.port}", len(self.fleet.engines), 10.0)
+        if self.shape.local_index:
+            router["shared_load"] = redis.url
+            config["index"] = "memory"
+        else:
+            path = self.workdir / "indexer.yaml"
+            path.write_text(yaml.safe_dump(config))
+            indexer = IndexerChild(path, self.workdir)
+            self._stack.callback(indexer.stop)
+            _wait_for_streams(f"http://127.0.0.1:{indexer.port}", len(self.fleet.engines), 10.0)
         for i in range(self.shape.replicas):
             r = RouterChild(f"router-{self.policy}-{i}", config, self.workdir)
             self._stack.callback(r.stop)
@@ -156,6 +167,13 @@ class Replicas:
         """Decisions committed to the replicas' shared order by outcome (first, again, moved,
         failed: router/replica_sequence.py), over every replica."""
         return self._labelled("kvrouter_sequenced_decisions_total", "outcome")
+
+    def sequence_ms(self) -> dict[str, float]:
+        """Mean milliseconds a decision spent in the shared order, by stage (wait for this
+        process's earlier commits, commit), over every replica."""
+        sums = self._labelled("kvrouter_sequence_seconds_sum", "stage")
+        counts = self._labelled("kvrouter_sequence_seconds_count", "stage")
+        return {k: round(1e3 * v / counts[k], 3) for k, v in sums.items() if counts.get(k)}
 
     def _labelled(self, sample: str, label: str, per_replica: list[int] | None = None) -> dict[str, float]:
         total: dict[str, float] = {}

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 import redis.asyncio as aredis
-from prometheus_client import Counter
+from prometheus_client import Counter, Histogram
 
 from router import metrics
 from router.choose import uncached
@@ -73,6 +73,12 @@ SEQUENCED = Counter(
     "meanwhile), again (decided again after others' commits, same backend), moved (decided again, another "
     "backend), failed (Redis down or slow: sent as decided alone)",
     ["outcome"],
+)
+SEQUENCE_SECONDS = Histogram(
+    "kvrouter_sequence_seconds",
+    "Time a decision spent in the replicas' shared order, by stage: wait (for this process's "
+    "earlier commits) and commit (its own tries, decisions made again included)",
+    ["stage"], buckets=metrics.LATENCY_BUCKETS,
 )
 SEQUENCE_ENTRIES = Counter(
     "kvrouter_sequence_entries",
@@ -162,10 +168,14 @@ class ReplicaSequence:
         the lock, sees this one's load and prefix as it would without the wait on Redis. (The
         price: a process commits at most one decision per Redis round trip.)"""
         waited = self._lock.locked()
+        t0 = time.perf_counter()
         async with self._lock:
+            t1 = time.perf_counter()
             if waited:
                 decide_again(d)
             await self._commit_in_order(d, decide_again)
+        metrics.child(SEQUENCE_SECONDS, "wait").observe(t1 - t0)
+        metrics.child(SEQUENCE_SECONDS, "commit").observe(time.perf_counter() - t1)
 
     async def _commit_in_order(self, d: Decided, decide_again: Callable[[Decided], None]) -> None:
         self._number += 1

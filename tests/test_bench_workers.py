@@ -1,7 +1,7 @@
 """``kvrouter bench --router-workers`` and ``--router-replicas`` end to end on a tiny synthetic workload.
 
 Real processes: the simulated fleet, ``kvrouter serve`` with 2 workers, or redis-server,
-``kvrouter indexer`` and 2 replicas on its index. Each run must record its router shape in
+``kvrouter indexer`` and 2 replicas on its index, or 2 replicas each on its own index. Each run must record its router shape in
 results.json and report.md, complete every request, and (replicas) send requests through
 every replica.
 """
@@ -14,6 +14,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 
 from support import KVROUTER, REPO
 
@@ -51,20 +52,35 @@ def test_two_workers_are_recorded_and_complete_every_request(tmp_path: Path) -> 
 
 
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed (make redis)")
-def test_two_replicas_on_redis_share_the_requests(tmp_path: Path) -> None:
-    results = _bench(tmp_path, "--router-replicas", "2")
+@pytest.mark.parametrize("index", ["redis", "memory"])
+def test_two_replicas_share_the_requests(tmp_path: Path, index: str) -> None:
+    """On one Redis index fed by ``kvrouter indexer`` (the default for replicas), or each on
+    its own in-memory index fed by the engines' events (``--router-index memory``), Redis
+    then carrying only load, decisions and the order."""
+    results = _bench(tmp_path, "--router-replicas", "2", *(["--router-index", "memory"] if index == "memory" else []))
     meta = results["meta"]
     assert (meta["router_workers"], meta["router_replicas"]) == (1, 2)
+    assert meta["router_index"].startswith("memory per replica" if index == "memory" else "redis")
     run = _all_completed(results)
     # Both replicas routed (sessions round-robin), and between them every request (+ the decision probe's).
     assert len(run["replica_decisions"]) == 2 and all(n > 0 for n in run["replica_decisions"])
     assert sum(run["replica_decisions"]) >= 20
-    # Every decision was committed to the replicas' shared order (router.shared_sequence, on by default).
+    # Every decision was committed to the replicas' shared order (router.shared_sequence, on by default),
+    # and the time that took is reported by stage.
     sequenced = run["sequenced_decisions"]
     assert sum(sequenced.values()) >= 20 and sequenced.get("failed", 0) == 0, sequenced
-    # kv_aware found cache through the Redis index the indexer fed.
+    assert set(run["sequence_ms"]) == {"wait", "commit"} and run["sequence_ms"]["commit"] > 0
+    # kv_aware found cache through the index the engines' events fed.
     assert run["cached_tokens"] > 0
     assert "- router_replicas: 2" in (tmp_path / "report.md").read_text()
+    logs = tmp_path / "logs" / "kv_aware"
+    configs = [yaml.safe_load((logs / f"router-kv_aware-{i}.yaml").read_text()) for i in range(2)]
+    if index == "memory":
+        assert not (logs / "indexer.yaml").exists()
+        assert all(c["index"] == "memory" and c["router"]["shared_load"].startswith("redis://") for c in configs)
+    else:
+        assert (logs / "indexer.yaml").exists()
+        assert all(c["index"].startswith("redis://") for c in configs)
 
 
 def test_router_flags_are_checked() -> None:
