@@ -41,6 +41,7 @@ from router.config import Config
 from router.errors import NoHealthyBackend
 from router.load import LoadTracker, scrape_forever
 from router.plans import Planner
+from router.policies.kv_aware import KvAware
 from router.prompt_ids import IdSource
 from router.proxy import Upstreams
 from router.request_path import RequestPath
@@ -168,6 +169,7 @@ class Router:
                 if self.settings.shared_load_claims:
                     self.loads.push_changes(self.replica_decisions.claim)
                     self.replica_decisions.on_claims = self.replica_load.on_claims
+                    self.replica_load.on_start = self._sent_elsewhere
                     if self.settings.shared_sequence:
                         from router.replica_sequence import ReplicaSequence
 
@@ -191,6 +193,13 @@ class Router:
         # as the router: out of the collector's sight, a full collection scans only what
         # routing allocates. Unfrozen, each took ~50 ms, a stall of every request in flight.
         gc.freeze()
+
+    def _sent_elsewhere(self, backend: str) -> None:
+        """Another replica sent a request to ``backend`` (its claim): kv_aware's share cap
+        weighs the fleet's decisions, as one process's does."""
+        for rt in self.models:
+            if isinstance(rt.policy, KvAware) and backend in rt.backends:
+                rt.policy.count(backend)
 
     def _follow(self, specs: list[StreamSpec]) -> None:
         """Follow exactly ``specs``' event streams (a worker left out is purged from the index)."""

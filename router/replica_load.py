@@ -41,6 +41,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 
 import redis.asyncio as aredis
 from prometheus_client import Counter
@@ -112,6 +113,9 @@ class ReplicaLoad:
         self._sent: dict[tuple[str, int], float] = {}
         """(sender, decision number) of the claims received lately: an entry of the order that
         arrives after its claim is not counted again."""
+        self.on_start: Callable[[str], None] | None = None
+        """Receives the backend of each request another process's claims say it sent (the
+        policies' request share: :meth:`router.core.Router._sent_elsewhere`)."""
 
     async def run_forever(self) -> None:
         failing = False
@@ -189,6 +193,10 @@ class ReplicaLoad:
         self._pending.setdefault(sender, []).extend(fresh)
         self.tracker.remote = _with(self.tracker.remote, fresh)
         SHARED_LOAD_CLAIMS.inc(len(fresh))
+        if self.on_start is not None:
+            for c in fresh:
+                if c[2] > 0:  # a request sent (its end and first token change no in-flight count up)
+                    self.on_start(c[1])
 
     def known_at(self, sender: str, number: int) -> float | None:
         """When this process first counted ``sender``'s decision ``number`` (reserved from the

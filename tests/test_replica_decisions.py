@@ -266,3 +266,52 @@ def test_a_reservation_gives_way_to_its_claim_and_one_never_claimed_expires(redi
             await load.aclose()
 
     asyncio.run(main())
+
+
+def test_a_replica_weighs_the_fleets_request_share_as_one_process_does(redis_url: str) -> None:
+    """kv_aware's share cap weighs the last ~``share_window`` decisions of the fleet. A replica
+    that decides a third of them learns the others' from their claims: each request another
+    replica sent counts once (its first token and its end count nothing), so the replica sees
+    the shares one process deciding every request sees, and moves a cheap request off a
+    backend over its share exactly when that process would."""
+    from router.config import KvAwareWeights
+    from router.load import LoadTracker
+    from router.policies.base import Candidate, RequestCtx
+    from router.policies.kv_aware import KvAware
+    from router.replica_load import ReplicaLoad
+
+    backends = ["a", "b", "c"]
+    rng = random.Random(5)
+    sent = [rng.choice(["a", "a", "a", "b", "c"]) for _ in range(90)]  # "a" takes ~60%
+
+    def policy() -> KvAware:
+        return KvAware(KvAwareWeights(share_cap=1.2, share_window=64), max_blocks=1 << 16)
+
+    def commit(p: KvAware, backend: str) -> None:
+        keys = [rng.randrange(1 << 60)]
+        p.commit(RequestCtx(model="m", num_tokens=16, block_size=16, keys=keys), p.choose(
+            RequestCtx(model="m", num_tokens=16, block_size=16, keys=keys),
+            [Candidate(b, b == backend, LoadTracker(backends).get(b)) for b in backends]))
+
+    async def main() -> tuple[KvAware, KvAware]:
+        one, replica = policy(), policy()
+        tracker = LoadTracker(backends)
+        tracker.share(None, 0)
+        load = ReplicaLoad(redis_url, f"share-{random.randrange(1 << 30)}", "me", 0, tracker, interval_s=0.05, ttl_s=5.0)
+        load.on_start = replica.count
+        try:
+            for i, backend in enumerate(sent):
+                commit(one, backend)
+                if i % 3 == 0:
+                    commit(replica, backend)
+                else:  # another replica sent it: its claims (sent, first token, end) arrive
+                    load.on_claims("other/0.1", time.time(), [(3 * i, backend, 1, 16, 1), (3 * i + 1, backend, 0, -16, 0),
+                                                             (3 * i + 2, backend, -1, 0, -1)])
+        finally:
+            await load.aclose()
+        return one, replica
+
+    one, replica = asyncio.run(main())
+    for b in backends:
+        assert replica._recent.get(b, 0.0) / replica._recent_sum == pytest.approx(one._recent[b] / one._recent_sum)
+    assert one._recent["a"] > 1.2 * one._recent_sum / 3  # "a" is over the cap: the test can fail
