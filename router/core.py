@@ -57,6 +57,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 RETIRE_POLL_S = 0.1
+SHARE_INTERVAL_S = 0.01
+"""How often a worker counts the other workers' requests into kv_aware's request share
+(the share is over ~``share_window`` decisions: 10 ms late changes no decision that matters)."""
 
 
 class Router:
@@ -185,6 +188,8 @@ class Router:
             asyncio.create_task(scrape_forever(self.pool, self.loads, self.settings.metrics_scrape_interval_s)),
             asyncio.create_task(self._discover_max_model_len()),
         ]
+        if self.segment is not None and any(isinstance(rt.policy, KvAware) for rt in self.models):
+            self._tasks.append(asyncio.create_task(self._count_other_workers_forever()))
         if self.replica_load is not None:
             self._tasks.append(asyncio.create_task(self.replica_load.run_forever()))
         if self.replica_decisions is not None:
@@ -194,12 +199,21 @@ class Router:
         # routing allocates. Unfrozen, each took ~50 ms, a stall of every request in flight.
         gc.freeze()
 
-    def _sent_elsewhere(self, backend: str) -> None:
-        """Another replica sent a request to ``backend`` (its claim): kv_aware's share cap
-        weighs the fleet's decisions, as one process's does."""
+    def _sent_elsewhere(self, backend: str, n: int = 1) -> None:
+        """Another replica (its claim) or worker sent ``n`` requests to ``backend``: kv_aware's
+        share cap weighs the fleet's decisions, as one process's does."""
         for rt in self.models:
             if isinstance(rt.policy, KvAware) and backend in rt.backends:
-                rt.policy.count(backend)
+                for _ in range(n):
+                    rt.policy.count(backend)
+
+    async def _count_other_workers_forever(self) -> None:
+        """Every :data:`SHARE_INTERVAL_S`, the requests the other workers sent into the
+        policies' request share (:meth:`router.load.LoadTracker.sent_by_other_workers`)."""
+        while True:
+            for backend, n in self.loads.sent_by_other_workers().items():
+                self._sent_elsewhere(backend, n)
+            await asyncio.sleep(SHARE_INTERVAL_S)
 
     def _follow(self, specs: list[StreamSpec]) -> None:
         """Follow exactly ``specs``' event streams (a worker left out is purged from the index)."""

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.shared_state import LOAD_FIELDS, ROW_WORDS
+from router.shared_state import LOAD_FIELDS, ROW_WORDS, SENT_WORD
 
 if TYPE_CHECKING:
     from router.backends import BackendPool
@@ -147,6 +147,7 @@ class BackendLoad(_Figures):
         "scraped_at",
         "changed",
         "prefilling",
+        "sent",
     )
 
     def __init__(self, name: str) -> None:
@@ -166,6 +167,8 @@ class BackendLoad(_Figures):
         replica of this router had in flight on it then (see :meth:`effective_in_flight`)."""
         self.scraped_at: float | None = None
         self.prefilling: set[Ticket] = set()
+        self.sent = 0
+        """Requests this process ever sent to the backend (its shared row's :data:`SENT_WORD`)."""
         self.words: memoryview | None = None
         self.base = 0
         self.changed: Callable[[str, int, int, int], None] | None = None
@@ -185,6 +188,7 @@ class BackendLoad(_Figures):
         w[b + 2] = self.decode_seqs
         w[b + 3] = len(self.block_refs)
         w[b + 4] = self.context_blocks
+        w[b + SENT_WORD] = self.sent
 
     def note(self, d_in_flight: int, d_prefill: int, d_context: int) -> None:
         """After a ticket changed the counters: copy them into the shared segment, and tell
@@ -242,6 +246,7 @@ class Ticket:
         self.prefill = prefill
         self.phase = 0
         load.in_flight += 1
+        load.sent += 1
         load.prefill_tokens += prefill
         load.context_blocks += len(keys)
         load.prefilling.add(self)
@@ -322,6 +327,7 @@ class LoadTracker:
         self._others: list[int] = []
         self._others_at = -1.0
         self._used = 0
+        self._sent_seen: dict[str, int] = {}
 
     def share(self, segment: Segment | None, worker: int) -> None:
         """Publish this worker's load into ``segment`` and read the other workers' from it
@@ -394,6 +400,22 @@ class LoadTracker:
                 self._others = (rows[:, :used].sum(axis=0) - rows[self.worker, :used]).ravel().tolist()
             self._others_at = now
         return self._others
+
+    def sent_by_other_workers(self) -> dict[str, int]:
+        """Requests the other workers sent to each backend since the last call (kv_aware's
+        request share counts them: :meth:`router.core.Router._count_other_workers_forever`).
+        A backend's first call only takes the count as it is; a count that went down (a
+        worker restarted, its row zeroed) is taken as it is too."""
+        if self.segment is None:
+            return {}
+        others, seen, out = self._other_workers(), self._sent_seen, {}
+        for name, slot in self._slots.items():
+            n = others[slot * ROW_WORDS + SENT_WORD]
+            last = seen.get(name)
+            if last is not None and n > last:
+                out[name] = n - last
+            seen[name] = n
+        return out
 
     def own(self, backend: str) -> BackendLoad:
         """This process's requests only (what it must drain before it forgets a backend)."""

@@ -53,8 +53,12 @@ thousandths, KV usage in millionths; -1 when the scrape had no value; the time i
 when the last scrape failed)."""
 _NONE = -1
 ROW_WORDS = 8
-"""A load row is 5 counters padded to 64 bytes, one cache line."""
+"""A load row is 5 counters and the sent count (:data:`SENT_WORD`) padded to 64 bytes, one cache line."""
 LOAD_FIELDS = ("in_flight", "prefill_tokens", "decode_seqs", "active_blocks", "context_blocks")
+SENT_WORD = len(LOAD_FIELDS)
+"""The row's requests sent to the backend since the worker started (never decreasing): the
+other workers' policies count them in their request share
+(:meth:`router.load.LoadTracker.sent_by_other_workers`)."""
 WORKER_WORDS = 4
 W_PID, W_STARTED_NS, W_LEADER_BEAT_NS = range(3)
 RING_WORDS = 1 << 16

@@ -488,6 +488,45 @@ def test_decision_ring_replays_across_its_end_and_a_reader_a_ring_behind_skips(t
     assert late.match(fresh) == {"b": 40}
 
 
+def test_every_worker_counts_every_workers_requests_in_the_request_share(tmp_path: Path) -> None:
+    """kv_aware's share cap weighs the last ~``share_window`` decisions of the whole router: a
+    worker reads the requests the other workers sent from their rows of the shared segment, so
+    its shares are those one process deciding every request would see; a restarted worker
+    (its row zeroed) counts nothing twice, and a first read counts no history."""
+    from router.config import KvAwareWeights
+    from router.load import LoadTracker
+    from router.policies.kv_aware import KvAware
+    from router.shared_state import Segment
+
+    seg = Segment.create(tmp_path / "shared", 2)
+    backends = ["a", "b", "c"]
+    trackers = [LoadTracker(backends) for _ in range(2)]
+    for w, t in enumerate(trackers):
+        t.share(seg, w)
+    one = KvAware(KvAwareWeights(share_cap=1.2, share_window=64), max_blocks=1 << 16)
+    mine = KvAware(KvAwareWeights(share_cap=1.2, share_window=64), max_blocks=1 << 16)
+    trackers[0].acquire("a", [1], 16).release()  # before worker 1's first read: history, not counted
+    assert trackers[1].sent_by_other_workers() == {}
+    rng = random.Random(3)
+    for i in range(120):
+        backend = rng.choice(["a", "a", "a", "b", "c"])
+        worker = i % 2
+        trackers[worker].acquire(backend, [i], 16).release()
+        one.count(backend)
+        if worker == 1:
+            mine.count(backend)
+        trackers[1]._others_at = -1.0  # read the other worker's row now (not OTHERS_TTL_S later)
+        for b, n in trackers[1].sent_by_other_workers().items():
+            for _ in range(n):
+                mine.count(b)
+    for b in backends:
+        assert mine._recent[b] / mine._recent_sum == pytest.approx(one._recent[b] / one._recent_sum)
+    assert one._recent["a"] > 1.2 * one._recent_sum / 3  # "a" is over the cap: the test can fail
+    seg.zero_worker(0)  # worker 0 restarted: its count starts again from 0
+    trackers[1]._others_at = -1.0
+    assert trackers[1].sent_by_other_workers() == {}
+
+
 def test_a_worker_that_cannot_start_stops_the_supervisor_with_its_status(tmp_path: Path) -> None:
     """A tokenizer that does not load fails every worker the same way: the supervisor stops
     with the worker's status (3) instead of restarting it forever."""
