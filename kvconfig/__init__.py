@@ -142,7 +142,8 @@ class KvAwareWeights(_Strict):
     speculative_ttl_s: float = Field(default=2.0, ge=0.0)
     share_cap: float = Field(default=1.2, ge=0.0)
     """Request-share cap (0: off). When the cheapest backend took more than this many times
-    its fair share of the model's recent decisions (the last ~``share_window``), a request
+    its fair share of the model's recent decisions (the last ~``share_window`` of the whole
+    router: every worker's and replica's requests count), a request
     goes to the cheapest backend under its fair share (while the fleet has a request in flight
     per backend or more) if that costs at most
     ``share_cap_tokens`` more (in prefill tokens). A session follows its cache, so whichever
