@@ -149,10 +149,11 @@ class KvAware:
 
     def count(self, backend: str) -> None:
         """One request sent to ``backend``, in the share the cap weighs: by this process
-        (:meth:`commit`), or by another router replica (its claim, :mod:`router.replica_load`),
-        so that replicas each weigh the fleet's share as one process does. Counting only its
-        own third of the decisions, a replica saw shares over the cap that one process did
-        not, and moved requests off their cache (synthetic: cached ratio 0.60 against 0.67)."""
+        (:meth:`commit`), or by another worker or replica of the router
+        (:meth:`router.core.Router._sent_elsewhere`), so that every process weighs the router's
+        share as one process does. Counting only its own third of the decisions, a replica saw
+        shares over the cap that one process did not, and moved requests off their cache
+        (synthetic: cached ratio 0.60 against 0.67)."""
         if self.w.share_cap <= 0:
             return
         self._inc /= 1.0 - 1.0 / self.w.share_window
