@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any, Self, TypeVar
 
 import httpx
-import psutil
 import yaml
 
 from loadtest.workloads import DEFAULT_TOKENIZER
@@ -191,7 +190,10 @@ def wait_http(url: str, timeout: float = 60.0, proc: subprocess.Popen | None = N
 
 def tree_cpu(pid: int) -> float:
     """User + system CPU seconds of a process and every descendant alive now (a router's
-    workers, a vLLM server's engine core)."""
+    workers, a vLLM server's engine core). psutil is imported here, not at the top: it comes
+    with the ``loadtest`` extra, and this module is imported by every lab command's ``--help``."""
+    import psutil
+
     total = 0.0
     try:
         root = psutil.Process(pid)

