@@ -193,9 +193,3 @@ class ParityGuard:
         self, local_ids: list[int], body: dict[str, Any], remote: RemoteTokenizer, base_url: str, client: aiohttp.ClientSession
     ) -> bool:
         return self.record(local_ids, await remote.chat_ids(base_url, body, client))
-
-    async def check_completion(
-        self, local_ids: list[list[int]], body: dict[str, Any], remote: RemoteTokenizer, base_url: str, client: aiohttp.ClientSession
-    ) -> bool:
-        remote_ids = await remote.completion_ids(base_url, body, client)
-        return self.record([t for p in local_ids for t in p], [t for p in remote_ids for t in p])

@@ -14,7 +14,7 @@ import pytest
 
 from router.config import KvAwareWeights
 from router.load import BackendLoad, LoadTracker, parse_vllm_metrics
-from router.policies.approx_index import ApproxPrefixIndex
+from router.policies.approx_index import STRIDE, ApproxPrefixIndex
 from router.policies.base import UNROUTABLE, Candidate, RequestCtx
 from router.policies.kv_aware import KvAware
 from router.policies.least_loaded import LeastLoaded
@@ -439,29 +439,63 @@ def test_a_data_parallel_backend_counts_its_best_rank() -> None:
     assert (solo.matched_blocks, solo.weighted_blocks) == (4, 2.0)
 
 
-def test_approx_index_binary_search_equals_the_walk() -> None:
+def stored_positions(n: int) -> set[int]:
+    """Where the index keeps an ``n``-key chain: its first key, every ``STRIDE``-th, its last."""
+    return {0, n - 1, *range(STRIDE - 1, n, STRIDE)}
+
+
+def walked_match(sent: list[tuple[float, list[int], str]], keys: list[int], now: float, ttl_s: float) -> dict[str, int]:
+    """What :meth:`ApproxPrefixIndex.match` must answer, from the inserts alone, key by key.
+
+    A backend holds a key while an insert of a chain that has it at a stored position is
+    within the TTL. Its match ends after the last key of ``keys`` it holds, as long as it
+    held every stored position of ``keys`` before that key (positions between them may have
+    been stored only for a shorter chain sent there)."""
+    held: dict[int, set[str]] = {}
+    for t, chain, backend in sent:
+        if t + ttl_s > now:
+            for p in stored_positions(len(chain)):
+                held.setdefault(chain[p], set()).add(backend)
+    stored = stored_positions(len(keys))
+    counts: dict[str, int] = {}
+    alive: set[str] | None = None
+    for i, k in enumerate(keys):
+        here = held.get(k, set())
+        alive = set(here) if alive is None else alive
+        for b in here & alive:
+            counts[b] = i + 1
+        if i in stored:
+            alive &= here
+        if not alive:
+            break
+    return counts
+
+
+def test_approx_index_binary_search_equals_the_key_by_key_walk() -> None:
+    """Chains sent as prefixes of one another, to four backends, expiring as time passes."""
     rng = random.Random(11)
     now = [0.0]
-    idx = ApproxPrefixIndex(ttl_s=5.0, max_blocks=400, clock=lambda: now[0])
+    idx = ApproxPrefixIndex(ttl_s=5.0, max_blocks=1_000_000, clock=lambda: now[0])
+    sent: list[tuple[float, list[int], str]] = []
     chains = [[rng.randrange(1 << 62) for _ in range(rng.randrange(1, 60))] for _ in range(30)]
     for step in range(400):
         base = rng.choice(chains)
         keys = base[: rng.randrange(1, len(base) + 1)]
         if rng.random() < 0.5:
-            idx.insert(keys, rng.choice("abcd"))
+            backend = rng.choice("abcd")
+            idx.insert(keys, backend)
+            sent.append((now[0], keys, backend))
         now[0] += rng.random() * 0.2
         probe = rng.choice(chains)
-        assert idx.match(probe) == idx.match_reference(probe), step
+        assert idx.match(probe) == walked_match(sent, probe, now[0], idx.ttl_s), step
 
 
 def test_sparse_approx_index_is_exact_for_extensions_and_never_more_than_a_stride_short() -> None:
     """Against the truth kept by hand (every chain sent, whole): a request that extends a
     chain sent before matches all of it; one that leaves a chain mid-stride loses less than
     a stride; no match ever exceeds the truth."""
-    from router.policies.approx_index import STRIDE
-
     rng = random.Random(5)
-    idx = ApproxPrefixIndex(ttl_s=1e9, max_blocks=1_000_000)
+    idx = ApproxPrefixIndex(ttl_s=1e9, max_blocks=1_000_000, clock=lambda: 0.0)
     sent: list[tuple[list[int], str]] = []
     bases = [[rng.randrange(1 << 62) for _ in range(300)] for _ in range(4)]
     for step in range(300):
@@ -474,7 +508,7 @@ def test_sparse_approx_index_is_exact_for_extensions_and_never_more_than_a_strid
             if shared:
                 truth[backend] = max(truth.get(backend, 0), shared)
         got = idx.match(probe)
-        assert got == idx.match_reference(probe), step
+        assert got == walked_match([(0.0, c, b) for c, b in sent], probe, 0.0, idx.ttl_s), step
         for backend, n in truth.items():
             assert n - STRIDE < got.get(backend, 0) <= n, (step, backend, n, got)
             if any(b == backend and len(c) <= len(probe) and probe[: len(c)] == c for c, b in sent):

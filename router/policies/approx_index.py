@@ -109,26 +109,6 @@ class ApproxPrefixIndex:
             counts[backend] = last + 1
         return counts
 
-    def match_reference(self, keys: list[int]) -> dict[str, int]:
-        """:meth:`match` by walking every key (the tests compare the two): a backend's match
-        ends after the last key it holds, while the stored positions before it are held."""
-        now = self._clock()
-        stored = set(_positions(len(keys)))
-        counts: dict[str, int] = {}
-        alive: set[str] | None = None
-        for i, k in enumerate(keys):
-            owners = self._entries.get(k) or {}
-            here = {b for b, expiry in owners.items() if expiry > now}
-            if alive is None:
-                alive = here
-            for b in here & alive:
-                counts[b] = i + 1
-            if i in stored:
-                alive &= here
-            if not alive:
-                break
-        return counts
-
     def forget(self, backend: str) -> None:
         """Drop a backend's entries (it restarted or was ejected: its cache is gone)."""
         for k in list(self._entries):
