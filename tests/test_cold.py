@@ -66,23 +66,24 @@ def test_sharegpt_texts_cut_anywhere(probe: HeadProbe) -> None:
 
 
 @pytest.mark.parametrize(
-    "text",
+    ("text", "answers"),
     [
-        "word " * 40 + " " * 500 + "tail",  # a whitespace run across the first cut
-        "a" * 300 + " b" * 200,  # a word longer than the first probe
-        "x" * (MAX_PROBE_CHARS * 2),  # one word longer than any probe: no answer
-        "我们今天讨论缓存路由的设计" * 60,  # CJK: several tokens per character
-        ("cafe\u0301 " * 200),  # combining marks the NFC normalizer composes
-        "<|im_start|>user\n" + "Hello there. " * 19 + "<|im_end|>" * 30,  # added tokens around the cut
-        "\n\n\n" * 100 + "text " * 100,
-        "123456789" * 100,
-        "It's what they'd've done. " * 40,
+        ("word " * 40 + " " * 500 + "tail", True),  # a whitespace run across the first cut
+        ("a" * 300 + " b" * 200, True),  # a word longer than the first probe
+        ("x" * (MAX_PROBE_CHARS * 2), False),  # one word longer than any probe: the full path is taken
+        ("我们今天讨论缓存路由的设计。" * 60, True),  # CJK: under two characters per token, words end at "。"
+        ("我们今天讨论缓存路由的设计" * 60, False),  # CJK without punctuation is one word: the full path
+        ("cafe\u0301 " * 200, True),  # combining marks the NFC normalizer composes
+        ("<|im_start|>user\n" + "Hello there. " * 19 + "<|im_end|>" * 30, True),  # added tokens around the cut
+        ("\n\n\n" * 100 + "text " * 100, True),
+        ("123456789" * 100, True),
+        ("It's what they'd've done. " * 40, True),
     ],
 )
-def test_adversarial_cuts(probe: HeadProbe, text: str) -> None:
-    answered = _check(probe, text)
-    if len(set(text)) == 1:
-        assert not answered  # no word boundary within MAX_PROBE_CHARS: the full path is taken
+def test_adversarial_cuts(probe: HeadProbe, text: str, answers: bool) -> None:
+    """Each text gets the exact first block from a prefix, unless no prefix up to
+    ``MAX_PROBE_CHARS`` ends at a word boundary."""
+    assert _check(probe, text) == answers
 
 
 def test_cut_never_splits_an_added_token(probe: HeadProbe) -> None:
