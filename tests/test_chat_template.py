@@ -195,31 +195,52 @@ def test_memo_sandbox_renders_exactly_like_the_stock_sandbox(qwen3: PromptTokeni
     assert rendered >= 80
 
 
-@pytest.mark.parametrize("source", [
-    "{{ messages.append(1) }}",
-    "{{ ''.__class__ }}",
-    "{{ m.pop('role') }}",
-    "{{ m.update({'a': 1}) }}",
-    "{{ 'x'.format.__globals__ }}",
-    "{{ '{0.__class__}'.format(m) }}",
-    "{{ m.items()|list|length }}{{ m.role }}{{ m.nosuch is defined }}",
-    "{% for x in range(3) %}{{ loop.index0 }}{{ x.real }}{% endfor %}{{ m['__class__'] }}",
-    "{{ m|attr('__class__') }}{{ m|attr('items') is defined }}",
-])
-def test_memo_sandbox_refuses_what_the_stock_sandbox_refuses(source: str) -> None:
-    """Unsafe access renders as the same error (or the same undefined), on the first use
-    and after the verdicts are remembered."""
-    results = []
-    for env in (ImmutableSandboxedEnvironment(), MemoSandbox(), MemoSandbox()):
+def sandbox_renders(source: str) -> list[str]:
+    """``source`` rendered by the stock sandbox, then twice by each of two memo sandboxes
+    (the second render of each uses the remembered verdicts); a refusal as ``Type: message``."""
+    out = []
+    for env, times in ((ImmutableSandboxedEnvironment(), 1), (MemoSandbox(), 2), (MemoSandbox(), 2)):
         t = env.from_string(source)
-        got = []
-        for _ in range(2 if isinstance(env, MemoSandbox) else 1):
+        for _ in range(times):
             try:
-                got.append(t.render(messages=[], m={"role": "user"}))
+                out.append(t.render(messages=[{"role": "user", "content": " Hi there "}], m={"role": "user"}))
             except (SecurityError, jinja2.TemplateError, TypeError) as e:
-                got.append(f"{type(e).__name__}: {e}")
-        results.append(got)
-    assert all(r == [results[0][0]] * len(r) for r in results[1:]), results
+                out.append(f"{type(e).__name__}: {e}")
+    return out
+
+
+@pytest.mark.parametrize(("source", "refusal"), [
+    ("{{ messages.append(1) }}", "SecurityError: access to attribute 'append' of 'list' object is unsafe."),
+    ("{{ m.pop('role') }}", "SecurityError: access to attribute 'pop' of 'dict' object is unsafe."),
+    ("{{ m.update({'a': 1}) }}", "SecurityError: access to attribute 'update' of 'dict' object is unsafe."),
+    ("{{ ''.__class__ }}", ""),
+    ("{{ 'x'.format.__globals__ }}", ""),
+    ("{{ '{0.__class__}'.format(m) }}", ""),
+    ("{{ m['__class__'] }}{{ m|attr('__class__') }}", ""),
+])
+def test_memo_sandbox_refuses_what_the_stock_sandbox_refuses(source: str, refusal: str) -> None:
+    """A mutating method is an error, a private attribute an empty undefined, on first use
+    and after the verdicts are remembered."""
+    assert sandbox_renders(source) == [refusal] * 5
+
+
+@pytest.mark.parametrize(("source", "rendered"), [
+    ("{{ m.role }}{{ m['role'] }}{{ m.get('role') }}{{ m.nosuch is defined }}", "useruseruserFalse"),
+    ("{{ m.items()|list|length }}{% for k, v in m.items() %}{{ k }}={{ v }}{% endfor %}{{ m.keys()|list }}",
+     "1role=user['role']"),
+    ("{% for x in range(3) %}{{ loop.index0 }}{{ x.real }}{% endfor %}", "001122"),
+    ("{{ messages|map(attribute='role')|join }}{{ m|attr('items') is defined }}{{ m|attr('role') is defined }}",
+     "userTrueFalse"),
+    ("{{ messages[0].content.strip() }}|{{ messages[0].content.split()|join(',') }}|"
+     "{{ messages[-1].content.lstrip().startswith('Hi') }}", "Hi there|Hi,there|True"),
+    ("{{ messages|selectattr('role', 'equalto', 'user')|list|length }}{{ messages[0]['role']|upper }}", "1USER"),
+    ("{% set ns = namespace(n=0) %}{% for x in messages %}{% set ns.n = ns.n + 1 %}{% endfor %}{{ ns.n }}", "1"),
+    ("{{ '{}-{}'.format(m.role, 2) }}{{ '%s!'|format(m.role) }}", "user-2user!"),
+])
+def test_memo_sandbox_renders_what_the_stock_sandbox_allows(source: str, rendered: str) -> None:
+    """What chat templates do (read fields, loop, call str and dict methods, set a
+    namespace) renders the same, on first use and after the verdicts are remembered."""
+    assert sandbox_renders(source) == [rendered] * 5
 
 
 def test_memo_sandbox_reads_each_attribute_once_like_the_stock_sandbox() -> None:
