@@ -62,7 +62,6 @@ MAX_MODEL_LEN = 1024
 PARSER_REJECTION = b"Invalid HTTP request received."
 COUNTS = {"bodies": fuzz_cases(450, 6000), "raw": fuzz_cases(200, 2500), "surface": fuzz_cases(250, 2500),
           "wire": fuzz_cases(120, 1200)}
-sent: dict[str, int] = {}
 
 
 # -- the fleet -----------------------------------------------------------------------------
@@ -75,6 +74,8 @@ class Fleet:
     client: httpx.Client
     statuses: dict[int, int] = field(default_factory=dict)
     parser_rejections: int = 0
+    sent: dict[str, int] = field(default_factory=dict)
+    """Cases sent by each suite that ran against this fleet (a name in :data:`SUITES`)."""
 
 
 @pytest.fixture(scope="module")
@@ -186,8 +187,11 @@ def send(fleet: Fleet, case: Case) -> None:
     check_answer(fleet, case, r.status_code, r.headers, body)
 
 
-def run(name: str, fleet: Fleet, strategy: st.SearchStrategy[Any], one: Callable[[Fleet, Any], None]) -> None:
-    """``one(fleet, example)`` for ``COUNTS[name]`` examples of ``strategy``, then the soundness checks."""
+def run(name: str, fleet: Fleet) -> None:
+    """Suite ``name``: ``one(fleet, example)`` for ``COUNTS[name]`` examples of its strategy
+    (:data:`SUITES`), then the soundness checks."""
+    strategy, one = SUITES[name]
+    sent = fleet.sent
     sent[name] = 0
 
     @settings(max_examples=COUNTS[name], deadline=None, database=None, derandomize=not FUZZ_FULL,
@@ -462,24 +466,32 @@ def send_wire(fleet: Fleet, example: tuple[Case, bytes]) -> None:
     check_answer(fleet, case, status, headers, body)
 
 
+SUITES: dict[str, tuple[st.SearchStrategy[Any], Callable[[Fleet, Any], None]]] = {
+    "bodies": (openai_bodies(), send),
+    "raw": (raw_bodies(), send),
+    "surface": (surface(), send),
+    "wire": (wire(), send_wire),
+}
+
+
 # -- the tests ---------------------------------------------------------------------------------
 
 
 def test_fuzzed_openai_bodies_get_answers_or_openai_errors(fleet: Fleet) -> None:
-    run("bodies", fleet, openai_bodies(), send)
+    run("bodies", fleet)
     assert fleet.statuses.get(200, 0) > COUNTS["bodies"] // 20, fleet.statuses  # the fuzz also reaches the engines
 
 
 def test_raw_garbage_bodies_get_openai_errors(fleet: Fleet) -> None:
-    run("raw", fleet, raw_bodies(), send)
+    run("raw", fleet)
 
 
 def test_any_method_path_query_and_headers_get_openai_errors(fleet: Fleet) -> None:
-    run("surface", fleet, surface(), send)
+    run("surface", fleet)
 
 
 def test_arbitrary_bytes_on_the_wire_never_break_the_router(fleet: Fleet) -> None:
-    run("wire", fleet, wire(), send_wire)
+    run("wire", fleet)
 
 
 def test_an_unknown_path_is_an_openai_404(fleet: Fleet) -> None:
@@ -507,8 +519,12 @@ def test_head_on_a_router_endpoint_goes_through_its_checks(fleet: Fleet) -> None
 
 
 def test_case_count(fleet: Fleet) -> None:
-    """The run's size, printed for the report (``-s``), and what each status was answered."""
-    total = sum(sent.values())
-    print(f"\nHTTP fuzz: {total} cases {sent}, statuses {dict(sorted(fleet.statuses.items()))}, "
+    """The run's size, printed for the report (``-s``), and what each status was answered.
+    The suites that have not run against this fleet (this test run alone, or with ``-k``)
+    run first, so the count is always the whole fuzz."""
+    for name in [n for n in SUITES if n not in fleet.sent]:
+        run(name, fleet)
+    total = sum(fleet.sent.values())
+    print(f"\nHTTP fuzz: {total} cases {fleet.sent}, statuses {dict(sorted(fleet.statuses.items()))}, "
           f"{fleet.parser_rejections} refused by uvicorn's parser")
     assert total >= 0.9 * sum(COUNTS.values())
