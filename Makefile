@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
 .PHONY: test fuzz demo install redis vllm bench bench-policies bench-workers bench-heldout bench-loads bench-vllm chaos soak replicas clean \
-	wrk bench-throughput bench-scale
+	wrk bench-throughput bench-scale config-doc
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -42,6 +42,11 @@ fuzz: install redis
 
 demo: install
 	$(BIN)/kvrouter demo
+
+# docs/config.md, the config reference, from the pydantic models in kvconfig/ (tests/test_config_doc.py
+# fails while the checked-in file differs).
+config-doc: install
+	$(BIN)/python -m kvconfig.doc
 
 bench: install
 	$(BIN)/python benchmarks/run_all.py

@@ -33,7 +33,7 @@ PolicyName = Literal[
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
 
 def _non_empty(v: SecretStr) -> SecretStr:
@@ -51,18 +51,31 @@ class LoraAdapter(_Strict):
     """An adapter as given to the engines' ``--lora-modules name=path`` (id = lora_int_id)."""
 
     name: str
+    """The adapter's model name, which clients send."""
     path: str
+    """The adapter's path in the engines' ``--lora-modules name=path`` (hashed into its blocks from vLLM
+    0.31)."""
     id: int = Field(ge=1)
+    """The adapter's ``lora_int_id`` in the engines (hashed into its blocks by vLLM 0.11)."""
 
 
 class Backend(_Strict):
     """One vLLM engine (or one DP group of engines behind one HTTP port)."""
 
     name: str
+    """The backend's name in logs, metrics, ``/debug/*`` and ``x-kvrouter-backend``; a name listed under
+    several models is one engine."""
     url: str
+    """The engine's HTTP base URL (``http://host:port``), without credentials."""
     kv_events: str | None = None
+    """The engine's KV-event publisher, ``tcp://HOST:PORT`` (``--kv-events-config`` ``endpoint`` with the
+    engine's host); unset, the router gets no cache events from it."""
     kv_replay: str | None = None
+    """The engine's replay socket, ``tcp://HOST:PORT`` (``replay_endpoint``): missed event batches are fetched
+    from it."""
     data_parallel_size: int = Field(default=1, ge=1)
+    """The engine's ``--data-parallel-size``: rank r publishes on the ``kv_events`` port + r and replays on
+    the ``kv_replay`` port + r."""
     api_key: ApiKey | None = None
     """The engine's ``--api-key``: the router sends ``Authorization: Bearer KEY`` on every
     call to it (proxied requests, health checks, scrapes, /tokenize)."""
@@ -92,18 +105,35 @@ class Backend(_Strict):
 
 
 class Model(_Strict):
+    """One model the router serves: its tokenizer, the engines' hashing settings and its backends."""
+
     name: str
+    """The model name clients send (the engines' ``--served-model-name``)."""
     tokenizer: str
+    """The engines' tokenizer: a local directory or a Hugging Face hub id, loaded at start."""
     block_size: int = Field(default=16, ge=1)
+    """The engines' ``--block-size``: tokens per KV block, the unit the prefix hashes cover."""
     hash_algo: HashAlgo = "sha256"
+    """The engines' ``--prefix-caching-hash-algo``."""
     hash_seed: str | None = None
+    """The engines' ``PYTHONHASHSEED``, which seeds the first block's hash (null: unset)."""
     vllm_version: str = "0.33.0"
+    """The engines' vLLM version: it picks the block-hashing dialect and the KV-event wire format."""
     max_model_len: int | None = Field(default=None, ge=1)
+    """Longest prompt plus ``max_tokens`` the router accepts: longer requests get 400 before any engine sees
+    them. Unset, it is read from a backend's ``/v1/models``."""
     lora_adapters: list[LoraAdapter] = []
+    """The LoRA adapters the engines serve (their ``--lora-modules``); clients name them as models."""
     backends: list[Backend] = Field(min_length=1)
+    """The engines serving this model."""
     policy: PolicyName | None = None
+    """This model's routing policy (null: ``router.policy``)."""
     tokenizer_mode: Literal["local", "remote", "auto"] = "local"
+    """``local`` tokenizes in the router; ``remote`` asks an engine's ``/tokenize``; ``auto`` starts local and
+    switches to remote when sampled parity checks keep mismatching."""
     parity_sample_rate: float = Field(default=0.01, ge=0.0, le=1.0)
+    """Fraction of requests whose local token ids are compared with an engine's ``/tokenize`` (counted in
+    ``/metrics``)."""
 
     @field_validator("hash_seed", mode="before")
     @classmethod
@@ -124,6 +154,7 @@ class KvAwareWeights(_Strict):
     """Weights of the kv_aware cost (see router/policies/kv_aware.py for the formula)."""
 
     prefill: float = Field(default=1.0, ge=0.0)
+    """Per block of prefill the backend would do: this prompt's uncached blocks plus prefill queued there."""
     decode: float = Field(default=0.1, ge=0.0)
     """Per active KV block. Dynamo weighs decode blocks 1:1 with prefill blocks; on the
     Mooncake bench that made kv_aware balance KV memory instead of queued prefill and
@@ -134,12 +165,23 @@ class KvAwareWeights(_Strict):
     decode attention reads each request's whole context every step, which ``decode``'s
     unique blocks do not see when many requests share a prefix. Off by default."""
     cpu_tier: float = Field(default=0.5, ge=0.0, le=1.0)
+    """What a block found in an engine's CPU tier saves, relative to one on the GPU."""
     storage_tier: float = Field(default=0.25, ge=0.0, le=1.0)
+    """What a block found in an engine's storage tier saves, relative to one on the GPU."""
     temperature: float = Field(default=0.0, ge=0.0)
+    """0 picks the cheapest backend; above 0, a softmax over normalised costs samples among near-equal
+    ones."""
     imbalance_ratio: float = Field(default=1.25, ge=1.0)
+    """Load guard: the chosen backend counts as overloaded above this many times the least loaded one's
+    requests in flight, plus ``imbalance_slack``."""
     imbalance_slack: int = Field(default=4, ge=0)
+    """Load guard: requests in flight allowed beyond ``imbalance_ratio`` before it acts."""
     guard_min_saving: float = Field(default=0.5, ge=0.0, le=1.0)
+    """Load guard: an overloaded choice stands only if its cache saves at least this fraction of the prompt
+    over the least-loaded backend."""
     speculative_ttl_s: float = Field(default=2.0, ge=0.0)
+    """How long a prefix just sent to a backend counts as cached there, in seconds, before the engine's events
+    confirm it (0: off)."""
     share_cap: float = Field(default=1.2, ge=0.0)
     """Request-share cap (0: off). When the cheapest backend took more than this many times
     its fair share of the model's recent decisions (the last ~``share_window`` of the whole
@@ -162,10 +204,16 @@ class KvAwareWeights(_Strict):
 
 
 class RouterSettings(_Strict):
+    """The router process: where it listens, how it routes, its keys, timeouts and limits."""
+
     host: str = "127.0.0.1"
+    """Address the router listens on (``kvrouter serve --host`` overrides)."""
     port: int = Field(default=8080, ge=0, le=65535)
+    """Port the router listens on (``kvrouter serve --port`` overrides)."""
     policy: PolicyName = "kv_aware"
+    """The routing policy of every model that names none (``kvrouter serve --policy`` overrides)."""
     weights: KvAwareWeights = KvAwareWeights()
+    """The weights of kv_aware's cost and of the load guard prefix_approx shares."""
     api_key: ApiKey | None = None
     """Clients of the OpenAI endpoints send ``Authorization: Bearer KEY``. It does not open
     ``/debug/*`` (see ``admin_api_key``)."""
@@ -180,18 +228,39 @@ class RouterSettings(_Strict):
     """Pass the client's ``Authorization`` header on to backends that have no ``api_key``
     (engines that check each client's own key). Off, engines never see a client's key."""
     max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
+    """Largest request body accepted; a larger one gets 413."""
     request_timeout_s: float = Field(default=600.0, gt=0)
+    """Longest silence from an engine, in seconds, before a request to it fails (a read timeout: a stream that
+    keeps sending may last longer)."""
     connect_timeout_s: float = Field(default=5.0, gt=0)
+    """Longest wait for a connection to an engine, in seconds."""
     retries: int = Field(default=2, ge=0)
+    """How many more backends a request may try when one refuses the connection, closes it before answering,
+    or answers 502/503; never once a response byte has arrived."""
     health_interval_s: float = Field(default=2.0, gt=0)
+    """Seconds between ``GET /health`` checks of each backend: one failure ejects it, one success re-admits
+    it."""
     metrics_scrape_interval_s: float = Field(default=1.0, gt=0)
+    """Seconds between reads of each engine's ``/metrics``: requests there beyond the router's own count
+    (another router's traffic) add to its load."""
     session_header: str = "x-session-id"
+    """The request header that names a session for the ``session`` policy (without it, the body's
+    ``user``)."""
     prefix_ttl_s: float = Field(default=120.0, gt=0)
+    """How long prefix_approx assumes an engine still caches a prefix it was sent, in seconds."""
     prefix_max_blocks: int = Field(default=1_000_000, ge=1)
+    """Most block keys per model in the router's memory of where it sent each prefix (prefix_approx,
+    kv_aware's speculative hits); the oldest go first."""
     breaker_failures: int = Field(default=5, ge=1)
+    """Consecutive failures of a backend (5xx, resets, timeouts) that open its circuit breaker."""
     breaker_cooldown_s: float = Field(default=5.0, gt=0)
+    """Seconds an open circuit keeps its backend out, doubling on each re-open up to 60; then one trial
+    request decides."""
     max_connections_per_backend: int = Field(default=512, ge=1)
+    """Most connections open to one engine at once (each request in flight holds one)."""
     inline_tokenize_bytes: int = Field(default=2048, ge=0)
+    """Bodies, and a prompt's uncached text, up to this many bytes are tokenized at once on the event loop;
+    only longer cold prompts are deferred (``defer_cold_prompts``)."""
     segment_cache_tokens: int = Field(default=8_000_000, ge=0)
     """Token ids the tokenizer's segment cache keeps per tokenizer (router/segments.py), oldest
     dropped first: ~35 bytes each, ~280 MB at the default when full (a chat soak's RSS grows
@@ -271,8 +340,12 @@ class RouterSettings(_Strict):
 
 class Config(_Strict):
     models: list[Model] = Field(min_length=1)
+    """The models the router serves, each with the engines that serve it."""
     router: RouterSettings = RouterSettings()
+    """The router process: where it listens, how it routes, its keys, timeouts and limits."""
     index: str = "memory"
+    """Where the KV-block index lives: ``memory`` (this router's own, fed by the engines' KV events) or a
+    Redis URL (``redis://host:6379/0``) that ``kvrouter indexer`` fills and router replicas share."""
     index_namespace: str = Field(default="kvr", min_length=1, pattern=r"^[^\n]+$")
     """The Redis index's key prefix, read by the router and ``kvrouter indexer`` alike: a
     router reading another namespace than the indexer writes sees no cached block at all.
@@ -349,17 +422,17 @@ class ConfigError(Exception):
 
 
 class KeysFromEnv(BaseSettings):
-    """Keys given as environment variables instead of in the file (which is often committed).
+    """Keys given as environment variables instead of in the file (which is often committed);
+    an empty variable counts as unset."""
 
-    ``KVROUTER_API_KEY`` and ``KVROUTER_ADMIN_API_KEY`` replace ``router.api_key`` and
-    ``router.admin_api_key``; ``KVROUTER_BACKEND_API_KEY`` is the ``api_key`` of every
-    backend that has none in the file. An empty variable counts as unset."""
-
-    model_config = SettingsConfigDict(env_prefix="KVROUTER_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="KVROUTER_", extra="ignore", use_attribute_docstrings=True)
 
     api_key: SecretStr | None = None
+    """Replaces ``router.api_key``."""
     admin_api_key: SecretStr | None = None
+    """Replaces ``router.admin_api_key``."""
     backend_api_key: SecretStr | None = None
+    """The ``api_key`` of every backend that has none in the file."""
 
     def apply(self, config: Config) -> None:
         router = config.router
