@@ -107,16 +107,16 @@ bench-vllm: install vllm
 	  --max-output-tokens 32 --session-rate 0.5 --think-time 2 --policies round_robin,least_loaded,kv_aware \
 	  --plot-prefix bench_vllm_ --quiet $(PEER)
 
-# Issue 16's decision quality: kv_aware on the three README workloads (bench-policies' flags)
-# with 1 worker, 2 workers, 3 replicas on a Redis index fed by kvrouter indexer (sessions spread
-# round-robin), and the no-sharing ablation (2 workers, share_worker_state: false), into
-# $(BENCH_OUT)/workers-{1,2,3replicas,2-noshare}/WORKLOAD. The 1-worker run measures capacity
+# Decision quality of the scale-out layouts: kv_aware on the three README workloads (bench-policies'
+# flags) with 1 worker, 2 workers, 3 replicas on a Redis index fed by kvrouter indexer (sessions
+# spread round-robin), and 3 replicas each on a local index (Redis carrying only the fleet-state
+# log), into $(BENCH_OUT)/workers-{1,2,3replicas,3replicas-local}/WORKLOAD. The 1-worker run measures capacity
 # (--target-load 0.8); the others replay at its rate scale, so every setup gets the same load.
 # Each bench (one workload, one setup, ~1-4 min) takes the shared bench lock; BENCH_LOCK= if
 # the caller holds it already. ~25 min in all on 2 cores.
 BENCH_LOCK ?= flock /tmp/kvr-bench.lock
 WORKER_SETUPS := "2:--router-workers 2" "3replicas:--router-replicas 3" \
-  "2-noshare:--router-workers 2 --router-setting share_worker_state=false"
+  "3replicas-local:--router-replicas 3 --router-index memory"
 define bench_workers
 	$(BENCH_LOCK) $(BIN)/kvrouter bench --out $(BENCH_OUT)/workers-1/$(1) $(2) --target-load 0.8 --policies kv_aware \
 	  --repeats $(REPEATS) --quiet --router-workers 1

@@ -289,53 +289,18 @@ class RouterSettings(_Strict):
     """Router processes serving one port (``kvrouter serve --workers N`` and the
     ``KVROUTER_WORKERS`` variable override it). Default: the cores this process may run
     on. 1 is today's single process; more share load and health (router/workers.py)."""
-    share_worker_state: bool = True
-    """Workers share load, health verdicts and decision memory. ``false`` leaves each worker
-    with only its own requests: the ablation docs/scaling.md measures, never better."""
-    shared_load: str = "auto"
-    """Where router replicas share their load: a Redis URL, ``auto`` (the index's URL when
-    the index is Redis, else nothing) or ``off``."""
-    shared_load_interval_s: float = Field(default=0.02, gt=0)
-    """How often a replica publishes its load and reads the others'. At 0.1 s, 3 replicas
-    lost 63% of engine TTFT p90 to one process on the synthetic workload; at 0.02 s, 2%
-    (docs/scaling.md, "Decision quality"): 50 small script calls a second per process."""
-    shared_load_ttl_s: float = Field(default=1.0, gt=0)
-    """How long a replica's published load outlives its last refresh: a killed replica's
-    load is gone from the others' view within this."""
-    shared_decisions: bool = True
-    """Replicas sharing load through Redis (``shared_load``) also share kv_aware's and
-    prefix_approx's memory of where each prefix was just sent, over Redis pub/sub
-    (router/replica_decisions.py), so a burst on a new prefix spread over replicas lands
-    on one backend as it does on one process. ``false`` is the ablation docs/scaling.md
-    measures."""
-    shared_load_claims: bool = True
-    """With ``shared_decisions``, every change of a replica's load (a request routed, its first
-    token, its end) is also pushed to the other replicas at once (router/replica_load.py,
-    "Claims"): between two load intervals they would otherwise weigh requests that have moved
-    on, and miss new ones. ``false`` is the ablation docs/scaling.md measures."""
-    shared_sequence: bool = True
-    """With ``shared_load_claims``, kv_aware's decisions are committed to one order in Redis
-    before their requests are sent (router/replica_sequence.py): a decision that other replicas'
-    commits overtook is made again with them counted, so requests that reach several replicas
-    at the same instant are decided as one process would, one after another. One Redis round
-    trip per request. ``false`` is the ablation docs/scaling.md measures."""
-    shared_decisions_interval_s: float = Field(default=0.002, ge=0)
-    """After publishing its decisions, a process waits this long before the next publish
-    (what came meanwhile goes out in one message): at most 1/interval publishes a second,
-    and a lone decision goes out at once."""
+    fleet_state: str = "auto"
+    """Where the router's processes share their state (load, recent decisions, request
+    share): the workers of one host always share it in memory; replicas on several hosts
+    share it through a Redis URL given here. ``auto``: the index's URL when the index is
+    Redis; ``local``: this host's workers only."""
 
-    @field_validator("shared_load")
+    @field_validator("fleet_state")
     @classmethod
-    def _shared_load_kind(cls, v: str) -> str:
-        if v not in ("auto", "off") and not v.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"shared_load must be 'auto', 'off' or a Redis URL (redis://host:6379/0), got {redact_url(v)!r}")
+    def _fleet_state_kind(cls, v: str) -> str:
+        if v not in ("auto", "local") and not v.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"fleet_state must be 'auto', 'local' or a Redis URL (redis://host:6379/0), got {redact_url(v)!r}")
         return v
-
-    @model_validator(mode="after")
-    def _ttl_outlives_interval(self) -> "RouterSettings":
-        if self.shared_load_ttl_s <= self.shared_load_interval_s:
-            raise ValueError("shared_load_ttl_s must be longer than shared_load_interval_s (else live replicas expire)")
-        return self
 
 
 class Config(_Strict):
@@ -380,10 +345,10 @@ class Config(_Strict):
             raise ValueError(f"model and adapter names must be unique, repeated: {dupes}")
         return self
 
-    def shared_load_url(self) -> str | None:
-        """The Redis URL replicas share their load through, or None (``router.shared_load``)."""
-        v = self.router.shared_load
-        if v == "off":
+    def fleet_state_url(self) -> str | None:
+        """The Redis URL replicas share their state through, or None (``router.fleet_state``)."""
+        v = self.router.fleet_state
+        if v == "local":
             return None
         if v == "auto":
             return None if self.index == "memory" else self.index

@@ -1,14 +1,14 @@
 """The router a bench run starts: one ``kvrouter serve`` (N workers), or R replicas on Redis.
 
-Issue 16's decision-quality cell compares one process, N workers and R replicas on the
+The decision-quality cell compares one process, N workers and R replicas on the
 same workload: ``kvrouter bench --router-workers N`` passes ``router.workers: N`` to
 every router a policy run starts, and ``--router-replicas R`` starts, per policy run, a
 ``redis-server`` (no persistence), ``kvrouter indexer`` feeding it the engines' KV
 events, and R ``kvrouter serve`` on that index (:mod:`loadtest.chaos_env`'s children,
-the same as ``kvrouter chaos --replicas``). The replicas share load through the same
-Redis (``router.shared_load`` defaults to the index URL), so what the run measures is
-the shipped cross-host setup. ``--router-setting KEY=VALUE`` adds router config keys,
-e.g. ``share_worker_state=false`` for the no-sharing ablation.
+the same as ``kvrouter chaos --replicas``). The replicas share their fleet state through
+the same Redis (``router.fleet_state`` defaults to the index URL), so what the run
+measures is the shipped cross-host setup. ``--router-setting KEY=VALUE`` adds router
+config keys.
 
 The replay spreads **sessions** (conversations) round-robin over the replicas, in order
 of their start, as ``kvrouter chaos --replicas`` does: a client's conversation rides one
@@ -47,7 +47,7 @@ class RouterShape:
     local_index: bool = False
     """Several replicas, each following the engines' KV events into its own in-memory index
     (``index: memory``), Redis carrying only their load, decisions and order
-    (``router.shared_load``): no ``kvrouter indexer``, and a lookup never leaves the process."""
+    (``router.fleet_state``): no ``kvrouter indexer``, and a lookup never leaves the process."""
 
     @property
     def on_redis(self) -> bool:
@@ -66,7 +66,7 @@ class RouterShape:
 
 
 def parse_settings(items: list[str]) -> dict[str, Any]:
-    """``["share_worker_state=false"]`` -> router keys, each checked by the config's own model.
+    """``["defer_cold_prompts=false"]`` -> router keys, each checked by the config's own model.
 
     Values are read as YAML scalars (``false``, ``0.5``, ``abc``), as the config file would
     read them; keys the bench sets itself (policy, workers, port, host, weights) have flags
@@ -132,7 +132,7 @@ class Replicas:
             router["weights"] = self.weights
         config = {"models": [self.fleet.model_config()], "router": router, "index": redis.url}
         if self.shape.local_index:
-            router["shared_load"] = redis.url
+            router["fleet_state"] = redis.url
             config["index"] = "memory"
         else:
             path = self.workdir / "indexer.yaml"
@@ -165,7 +165,7 @@ class Replicas:
 
     def sequenced(self) -> dict[str, float]:
         """Decisions committed to the replicas' shared order by outcome (first, again, moved,
-        failed: router/replica_sequence.py), over every replica."""
+        failed: router/fleet/stream.py), over every replica."""
         return self._labelled("kvrouter_sequenced_decisions_total", "outcome")
 
     def sequence_ms(self) -> dict[str, float]:

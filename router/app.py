@@ -201,9 +201,8 @@ def create_app(config: Config, index: Index | None = None) -> Endpoints:
             entry: dict[str, Any] = b.describe()
             entry["models"] = [rt.name for rt in router.models if name in rt.backends]
             entry["load"] = router.loads.get(name).snapshot()
-            by_worker = router.loads.worker_rows(name)
-            if by_worker is not None:
-                entry["load_by_worker"] = by_worker
+            if router.ring is not None:
+                entry["load_by_worker"] = router.loads.by_worker(name, router.worker, router.ring.n_workers)
             streams = [{"dp_rank": w.dp_rank, **dataclasses.asdict(st)} for w, st in sorted(stats.items()) if w.backend == name]
             entry["event_streams"] = streams
             entry["connected"] = bool(streams) and all(s["connected"] for s in streams)

@@ -12,11 +12,11 @@ open. Two signals feed that:
   the circuit is half-open: the next request is a trial and its success closes it.
 
 With ``serve --workers N`` there is one health decision per backend, not N: worker 0,
-the *leader*, runs the active checks and publishes each verdict in the shared segment
-(:mod:`router.shared_state`); the other workers follow it within :data:`FOLLOW_S`. A
+the *leader*, runs the active checks and appends each verdict to the fleet-state log
+(:mod:`router.fleet.log`); the other workers fold it within :data:`FOLLOW_S`. A
 passive ejection seen by any worker (a refused connection) is published the same way,
 so every worker ejects the backend, and the leader's next passing check re-admits it
-for all. Should the leader stop beating (it died and is being restarted), the followers
+for all. Should the leader fall silent (it died and is being restarted), the followers
 check for themselves until it is back. The circuit breaker stays per worker: it counts
 that worker's own failures, and opens only that worker's circuit.
 
@@ -45,18 +45,23 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import aiohttp
 
 from router import metrics
 from router.config import Backend, Config, RouterSettings
-from router.shared_state import EJECTED, HEALTHY, Segment
+from router.fleet.log import Verdict
+from router.fleet.ring import sender
+
+if TYPE_CHECKING:
+    from router.fleet.log import FleetLog
 
 log = logging.getLogger(__name__)
 
 MAX_COOLDOWN_S = 60.0
 FOLLOW_S = 0.05
-"""How often a follower worker reads the leader's health verdicts."""
+"""How often a worker folds the others' records (health verdicts among them)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,9 +94,8 @@ class BackendState:
         """Proxy tasks waiting on this backend -> how to abort each (see abort_in_flight)."""
         self.retired = False
         """Removed from the config by a reload: no longer checked, closed once idle."""
-        self.shared: tuple[Segment, int] | None = None
-        """The shared segment and this backend's slot, when workers share health verdicts."""
-        self.seen_version = 0
+        self.fleet: FleetLog | None = None
+        """Where this worker's verdicts go, when the workers of a host share them."""
 
     def open(self) -> None:
         """Create the session (needs the running event loop)."""
@@ -152,10 +156,8 @@ class BackendState:
             self.consecutive_failures = 0
 
     def eject(self, reason: str, *, refused: bool = False, publish: bool = True) -> None:
-        if publish and self.shared is not None:
-            seg, slot = self.shared
-            seg.set_verdict(slot, EJECTED, refused=refused)
-            self.seen_version = seg.verdict(slot)[1]
+        if publish and self.fleet is not None:
+            self.fleet.append(Verdict(self.name, False, refused), host_only=True)
         was_ok = self.health_ok
         if was_ok:
             self.ejections += 1
@@ -176,28 +178,19 @@ class BackendState:
         return len(aborts)
 
     def admit(self, *, publish: bool = True) -> None:
-        if publish and self.shared is not None:
-            seg, slot = self.shared
-            if seg.verdict(slot)[0] != HEALTHY:
-                seg.set_verdict(slot, HEALTHY)
-            self.seen_version = seg.verdict(slot)[1]
         if not self.health_ok:
+            if publish and self.fleet is not None:
+                self.fleet.append(Verdict(self.name, True), host_only=True)
             log.info("backend %s re-admitted", self.name)
         self.health_ok = True
 
-    def follow(self) -> None:
-        """Take the shared verdict if it changed since this worker last saw it."""
-        assert self.shared is not None
-        seg, slot = self.shared
-        state, version, _, refused = seg.verdict(slot)
-        if version == self.seen_version:
-            return
-        self.seen_version = version
-        if state == HEALTHY:
+    def follow(self, v: Verdict) -> None:
+        """Another worker's verdict, folded from the log."""
+        if v.healthy:
             self.admit(publish=False)
-        elif state == EJECTED:
-            self.eject("ejected by the shared health verdict" + (" (connection refused)" if refused else ""),
-                       refused=refused, publish=False)
+        else:
+            self.eject("ejected by the shared health verdict" + (" (connection refused)" if v.refused else ""),
+                       refused=v.refused, publish=False)
 
     def describe(self) -> dict[str, object]:
         return {
@@ -230,8 +223,9 @@ class BackendPool:
         self.settings = config.router
         self.backends: dict[str, BackendState] = {}
         self._on_down: Callable[[str], None] | None = None
-        self.segment: Segment | None = None
+        self.fleet: FleetLog | None = None
         self.worker = 0
+        self.workers = 1
         for m in config.models:
             for b in m.backends:
                 if b.name not in self.backends:
@@ -244,22 +238,31 @@ class BackendPool:
         for b in self.backends.values():
             b.open()
 
-    def share(self, segment: Segment, worker: int) -> None:
-        """Take health verdicts from ``segment`` (worker 0 is the leader that checks)."""
-        self.segment = segment
+    def share(self, fleet: FleetLog, worker: int, workers: int) -> None:
+        """Share health verdicts with the host's other workers (worker 0 is the leader that checks)."""
+        self.fleet = fleet
         self.worker = worker
+        self.workers = workers
+        fleet.state.on_verdict = self._follow
         for b in self.backends.values():
-            b.shared = (segment, segment.slot(b.name))
+            b.fleet = fleet
+
+    def _follow(self, v: Verdict) -> None:
+        b = self.backends.get(v.backend)
+        if b is not None and not b.retired:
+            b.follow(v)
 
     @property
     def leader(self) -> bool:
-        return self.segment is None or self.worker == 0
+        return self.fleet is None or self.worker == 0
 
     def leader_gone(self) -> bool:
-        """Whether the leader's heartbeat is older than it would be had it lived on."""
-        assert self.segment is not None
-        late_ns = int((2 * self.settings.health_interval_s + health_timeout(self.settings.health_interval_s) + 1.0) * 1e9)
-        return time.monotonic_ns() - self.segment.last_beat_ns(0) > late_ns
+        """Whether the leader has been silent longer than it would be had it lived on."""
+        if self.fleet is None:
+            return False
+        heard = self.fleet.state.heard(sender(0))
+        late = 2 * self.settings.health_interval_s + health_timeout(self.settings.health_interval_s) + 1.0
+        return heard is None or time.monotonic() - heard > late
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self._check(b) for b in self.backends.values()))
@@ -276,30 +279,26 @@ class BackendPool:
         self._on_down = on_down
         for b in self.backends.values():
             b.on_down = on_down
-        if self.segment is not None:
-            await self._shared_forever(self.segment)
+        if self.fleet is not None:
+            await self._shared_forever()
         while True:
             await self.check_all()
             await asyncio.sleep(self.settings.health_interval_s)
 
-    async def _shared_forever(self, segment: Segment) -> None:
-        """Every :data:`FOLLOW_S`, take the verdicts other workers published (the leader's
-        checks, anyone's passive ejections); each interval, check: the leader always, a
-        follower only while the leader is gone."""
+    async def _shared_forever(self) -> None:
+        """Each interval, check: the leader always, a follower only while the leader is
+        silent (the verdicts are folded from the log as they come)."""
         checked = time.monotonic()  # core.Router.start has just checked every backend
         alone = False
+        started = checked
         while True:
-            if self.leader:
-                segment.beat(self.worker)
-            for b in list(self.backends.values()):
-                if b.shared is not None and not b.retired:
-                    b.follow()
             now = time.monotonic()
-            if not self.leader and self.leader_gone() != alone:
-                alone = not alone
+            gone = not self.leader and now - started > FOLLOW_S * 20 and self.leader_gone()
+            if not self.leader and gone != alone:
+                alone = gone
                 if alone:
                     metrics.HEALTH_LEADER_GONE.inc()
-                    log.warning("worker %d: the health leader (worker 0) has stopped beating; checking backends itself",
+                    log.warning("worker %d: the health leader (worker 0) is silent; checking backends itself",
                                 self.worker)
                 else:
                     log.info("worker %d: the health leader is back; following its verdicts", self.worker)
@@ -332,8 +331,7 @@ class BackendPool:
         b = BackendState(backend, self.settings)
         b.open()
         b.on_down = self._on_down
-        if self.segment is not None:
-            b.shared = (self.segment, self.segment.slot(b.name))
+        b.fleet = self.fleet
         await self._check(b)
         self.backends[b.name] = b
         return b

@@ -84,9 +84,8 @@ class Decided:
     lookup_s: float = 0.0
     backend: str = ""
     """Where it was sent last (a retry moves it): set by :func:`commit`."""
-    sequence_number: int = 0
-    """Its number in the replicas' shared order (:mod:`router.replica_sequence`), 0 if not
-    ordered; its load claim names it."""
+    ordered: bool = False
+    """Committed to the replicas' fleet-state log before it was sent (:mod:`router.fleet.stream`)."""
 
     @property
     def rt(self) -> ModelRuntime:

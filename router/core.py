@@ -41,7 +41,6 @@ from router.config import Config
 from router.errors import NoHealthyBackend
 from router.load import LoadTracker, scrape_forever
 from router.plans import Planner
-from router.policies.kv_aware import KvAware
 from router.prompt_ids import IdSource
 from router.proxy import Upstreams
 from router.request_path import RequestPath
@@ -50,16 +49,12 @@ from router.settle import Settler
 
 if TYPE_CHECKING:
     from indexer.subscriber import StreamSpec
-    from router.replica_decisions import ReplicaDecisions
-    from router.replica_load import ReplicaLoad
-    from router.shared_state import Segment
+    from router.fleet.log import FleetLog
+    from router.fleet.ring import Ring
 
 log = logging.getLogger(__name__)
 
 RETIRE_POLL_S = 0.1
-SHARE_INTERVAL_S = 0.01
-"""How often a worker counts the other workers' requests into kv_aware's request share
-(the share is over ~``share_window`` decisions: 10 ms late changes no decision that matters)."""
 
 
 class Router:
@@ -101,48 +96,35 @@ class Router:
         event streams are followed until then)."""
         self.worker = 0
         self.replica = uuid.uuid4().hex[:12]
-        self.segment: Segment | None = None
-        self.replica_load: ReplicaLoad | None = None
-        self.replica_decisions: ReplicaDecisions | None = None
+        self.ring: Ring | None = None
+        self.fleet: FleetLog | None = None
+        """The fleet-state log this process shares with the router's others (:mod:`router.fleet.log`)."""
 
-    def share(self, segment: Segment, worker: int, replica: str) -> None:
-        """Worker ``worker`` of a ``serve --workers N`` supervisor: load and health verdicts
-        shared with the other workers through ``segment`` (call before :meth:`start`)."""
-        self.segment, self.worker, self.replica = segment, worker, replica
-        self.loads.share(segment, worker)
-        self.pool.share(segment, worker)
-        from router.policies.approx_index import ApproxPrefixIndex
-        from router.shared_prefix import SharedPrefixIndex
+    def share(self, ring: Ring, worker: int, replica: str) -> None:
+        """Worker ``worker`` of a ``serve --workers N`` supervisor: the fleet-state log shared
+        with the host's other workers through ``ring`` (call before :meth:`start`)."""
+        self.ring, self.worker, self.replica = ring, worker, replica
 
-        for rt in self.models:
-            # The policy's memory of where it just sent each prefix (kv_aware's speculative
-            # insertion, prefix_approx's tree), replicated between workers.
-            for attr in ("speculative", "tree"):
-                memory = getattr(rt.policy, attr, None)
-                if type(memory) is ApproxPrefixIndex:
-                    shared = SharedPrefixIndex(memory.ttl_s, memory.max_blocks, segment, worker, segment.slot)
-                    shared.learn(rt.backends)
-                    setattr(rt.policy, attr, shared)
+    def _share_fleet_state(self) -> None:
+        """Append this process's records to the fleet-state log and fold the others': through
+        the host's ring (workers), and through Redis (replicas, ``router.fleet_state``)."""
+        from router.fleet.log import TTL_S, FleetLog, FleetState
 
-    def _share_decisions(self, url: str) -> ReplicaDecisions:
-        """The policies' memory of where they just sent each prefix, shared with the other
-        replicas through Redis (a :class:`SharedPrefixIndex` with no segment when this
-        process is not a worker of a supervisor)."""
-        from router.policies.approx_index import ApproxPrefixIndex
-        from router.replica_decisions import ReplicaDecisions
-        from router.shared_prefix import SharedPrefixIndex
+        url = self.config.fleet_state_url()
+        stream = None
+        if url is not None:
+            from router.fleet.stream import FleetStream
 
-        decisions = ReplicaDecisions(url, self.config.index_namespace, self.replica, self.worker,
-                                     self.settings.shared_decisions_interval_s)
-        for rt in self.models:
-            for attr in ("speculative", "tree"):
-                memory = getattr(rt.policy, attr, None)
-                if type(memory) is ApproxPrefixIndex:
-                    memory = SharedPrefixIndex(memory.ttl_s, memory.max_blocks)
-                    setattr(rt.policy, attr, memory)
-                if isinstance(memory, SharedPrefixIndex):
-                    decisions.attach(rt.name, memory)
-        return decisions
+            stream = FleetStream(url, self.config.index_namespace, self.replica, self.worker, self.loads.snapshot, TTL_S)
+        if self.ring is None and stream is None:
+            return
+        state = FleetState({rt.name: rt.prefixes for rt in self.models if rt.prefixes is not None},
+                           {rt.name: rt.shares for rt in self.models if rt.shares is not None})
+        self.fleet = FleetLog(state, self.loads.snapshot, host=self.ring, fleet=stream)
+        self.loads.share(self.fleet)
+        if self.ring is not None:
+            self.pool.share(self.fleet, self.worker, self.ring.n_workers)
+        self.path.stream = stream
 
     async def start(self) -> None:
         await self.models.load_tokenizers(self.executor)
@@ -155,31 +137,12 @@ class Router:
             if any(rt.has_events for rt in self.models):
                 self._tasks.append(asyncio.create_task(self._watch_index_feed()))
         self._unregister_metrics = metrics.register_fleet(
-            metrics.FleetCollector(self.pool, self.loads, self.streams.stats, self.stream_registry, self.background)
+            metrics.FleetCollector(self.pool, self.loads, self.streams.stats, self.stream_registry, self.background,
+                                   self.ring)
         )
+        self._share_fleet_state()
         self.pool.open()
         await self.pool.check_all()
-        url = self.config.shared_load_url()
-        if url is not None:
-            from router.replica_load import ReplicaLoad
-
-            if not self.loads.shared:
-                self.loads.share(None, self.worker)
-            self.replica_load = ReplicaLoad(url, self.config.index_namespace, self.replica, self.worker, self.loads,
-                                            self.settings.shared_load_interval_s, self.settings.shared_load_ttl_s)
-            if self.settings.shared_decisions:
-                self.replica_decisions = self._share_decisions(url)
-                if self.settings.shared_load_claims:
-                    self.loads.push_changes(self.replica_decisions.claim)
-                    self.replica_decisions.on_claims = self.replica_load.on_claims
-                    self.replica_load.on_start = self._sent_elsewhere
-                    if self.settings.shared_sequence:
-                        from router.replica_sequence import ReplicaSequence
-
-                        self.replica_decisions.on_sent = self.replica_load.on_sent
-                        self.path.sequencer = ReplicaSequence(
-                            self.replica_load.redis, self.config.index_namespace, self.replica, self.worker,
-                            self.replica_load, self.replica_decisions, self.settings.shared_load_ttl_s)
         for rt in self.models:
             if rt.engines is not None:
                 await rt.engines.start()
@@ -188,32 +151,14 @@ class Router:
             asyncio.create_task(scrape_forever(self.pool, self.loads, self.settings.metrics_scrape_interval_s)),
             asyncio.create_task(self._discover_max_model_len()),
         ]
-        if self.segment is not None and any(isinstance(rt.policy, KvAware) for rt in self.models):
-            self._tasks.append(asyncio.create_task(self._count_other_workers_forever()))
-        if self.replica_load is not None:
-            self._tasks.append(asyncio.create_task(self.replica_load.run_forever()))
-        if self.replica_decisions is not None:
-            self._tasks.append(asyncio.create_task(self.replica_decisions.run_forever()))
+        if self.fleet is not None:
+            from router.backends import FOLLOW_S
+
+            self._tasks.append(asyncio.create_task(self.fleet.run_forever(FOLLOW_S)))
         # What exists now (the imports, the tokenizers: over a million objects) lives as long
         # as the router: out of the collector's sight, a full collection scans only what
         # routing allocates. Unfrozen, each took ~50 ms, a stall of every request in flight.
         gc.freeze()
-
-    def _sent_elsewhere(self, backend: str, n: int = 1) -> None:
-        """Another replica (its claim) or worker sent ``n`` requests to ``backend``: kv_aware's
-        share cap weighs the fleet's decisions, as one process's does."""
-        for rt in self.models:
-            if isinstance(rt.policy, KvAware) and backend in rt.backends:
-                for _ in range(n):
-                    rt.policy.count(backend)
-
-    async def _count_other_workers_forever(self) -> None:
-        """Every :data:`SHARE_INTERVAL_S`, the requests the other workers sent into the
-        policies' request share (:meth:`router.load.LoadTracker.sent_by_other_workers`)."""
-        while True:
-            for backend, n in self.loads.sent_by_other_workers().items():
-                self._sent_elsewhere(backend, n)
-            await asyncio.sleep(SHARE_INTERVAL_S)
 
     def _follow(self, specs: list[StreamSpec]) -> None:
         """Follow exactly ``specs``' event streams (a worker left out is purged from the index)."""
@@ -257,10 +202,8 @@ class Router:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.streams.subscriber is not None:
             await asyncio.to_thread(self.streams.subscriber.stop)
-        if self.replica_load is not None:
-            await self.replica_load.aclose()
-        if self.replica_decisions is not None:
-            await self.replica_decisions.aclose()
+        if self.fleet is not None:
+            await self.fleet.aclose()
         if self._unregister_metrics is not None:
             self._unregister_metrics()
         await self.pool.aclose()
@@ -324,10 +267,6 @@ class Router:
             rt.config = m
             rt.backends = [b.name for b in m.backends]
             rt.has_events = any(b.kv_events for b in m.backends)
-            for attr in ("speculative", "tree"):
-                learn = getattr(getattr(rt.policy, attr, None), "learn", None)
-                if learn is not None:
-                    learn(rt.backends)
             if rt.memory is not None:
                 for name in gone:
                     rt.memory.forget(name)
@@ -398,15 +337,14 @@ class Router:
                 rt.max_model_len = await self.pool.max_model_len(rt.name, rt.backends)
 
     def sharing(self) -> dict[str, Any]:
-        """Who shares this router's load (``/debug/backends``): the answering worker, the
-        worker count, and other replicas' processes with their last published load."""
+        """Who shares this router's state (``/debug/backends``): the answering worker, the
+        worker count, and whether replicas share it through Redis."""
         out: dict[str, Any] = {}
-        if self.segment is not None:
-            out |= {"worker": self.worker, "pid": os.getpid(), "workers": self.segment.n_workers,
-                    "worker_restarts": self.segment.restarts}
-        if self.replica_load is not None:
+        if self.ring is not None:
+            out |= {"worker": self.worker, "pid": os.getpid(), "workers": self.ring.n_workers,
+                    "worker_restarts": self.ring.restarts}
+        if self.path.stream is not None:
             out["replica"] = self.replica
-            out["other_replicas"] = self.replica_load.peers
         return out
 
     def can_route(self) -> bool:

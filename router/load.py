@@ -14,13 +14,12 @@ requests (a refcount per key), like Dynamo's active-sequence tracker: 200 reques
 sharing a 4k-token prefix hold that prefix once, so a cache-affine burst does not look
 200 times heavier than it is.
 
-Shared load (``serve --workers N``, replicas on Redis): each process keeps its own exact
-counters (above) and publishes them, a worker into its row of the shared segment
-(:mod:`router.shared_state`) whenever a ticket changes, a replica to Redis on a timer
-(:mod:`router.replica_load`). What the policies read, :meth:`LoadTracker.get`, is then a
-:class:`LoadView`: this process's counters plus every other worker's row plus every other
-replica's last published vector. ``active_blocks`` is summed too, so a prefix held by
-requests of two workers counts twice (the keys themselves are not shared): an
+Shared load (``serve --workers N``, replicas): each process keeps its own exact counters
+(above), and every change of them is a record of the fleet-state log
+(:mod:`router.fleet.log`: a request decided, its first token, its end). What the policies
+read, :meth:`LoadTracker.get`, is then a :class:`LoadView`: this process's counters plus
+every other process's, as the log folds them. ``active_blocks`` is summed too, so a prefix
+held by requests of two processes counts twice (the keys themselves are not shared): an
 overestimate bounded by the number of processes, only while both hold it.
 """
 
@@ -29,23 +28,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.shared_state import LOAD_FIELDS, ROW_WORDS, SENT_WORD
+from router.fleet.log import Decided, Ended, FirstToken, Load, Scraped, Settled
+from router.policies.approx_index import stored_keys
 
 if TYPE_CHECKING:
     from router.backends import BackendPool
-    from router.shared_state import Segment
+    from router.fleet.log import FleetLog
 
 log = logging.getLogger(__name__)
 
 _ZERO = (0, 0, 0, 0, 0)
-OTHERS_TTL_S = 50e-6
-"""How long one read of the other workers' load rows serves (:meth:`LoadTracker._other_workers`)."""
 SCRAPED_GAUGES = ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc")
 
 
@@ -128,13 +124,10 @@ class _Figures:
 class BackendLoad(_Figures):
     """This process's load on one backend. Mutated only on the event loop (no locks needed).
 
-    With a shared segment, :meth:`publish` copies the counters into this worker's row
-    after every change (``words`` is None without one)."""
+    When the load is shared, every change is appended to :attr:`fleet` as a record."""
 
     __slots__ = (
         "name",
-        "words",
-        "base",
         "in_flight",
         "prefill_tokens",
         "decode_seqs",
@@ -145,9 +138,8 @@ class BackendLoad(_Figures):
         "scraped_kv_usage",
         "scraped_unseen",
         "scraped_at",
-        "changed",
         "prefilling",
-        "sent",
+        "fleet",
     )
 
     def __init__(self, name: str) -> None:
@@ -167,44 +159,26 @@ class BackendLoad(_Figures):
         replica of this router had in flight on it then (see :meth:`effective_in_flight`)."""
         self.scraped_at: float | None = None
         self.prefilling: set[Ticket] = set()
-        self.sent = 0
-        """Requests this process ever sent to the backend (its shared row's :data:`SENT_WORD`)."""
-        self.words: memoryview | None = None
-        self.base = 0
-        self.changed: Callable[[str, int, int, int], None] | None = None
-        """Told (backend, in-flight, prefill-token and context-block changes) of every ticket
-        change when the load is pushed to other replicas (:meth:`LoadTracker.push_changes`)."""
+        self.fleet: FleetLog | None = None
+        """Where every change goes as a record when the load is shared."""
 
     @property  # type: ignore[override]
     def active_blocks(self) -> int:
         return len(self.block_refs)
 
-    def publish(self) -> None:
-        """Copy the counters into this worker's row of the shared segment."""
-        w, b = self.words, self.base
-        assert w is not None
-        w[b] = self.in_flight
-        w[b + 1] = self.prefill_tokens
-        w[b + 2] = self.decode_seqs
-        w[b + 3] = len(self.block_refs)
-        w[b + 4] = self.context_blocks
-        w[b + SENT_WORD] = self.sent
+    def vector(self) -> Load:
+        """The counters, in :data:`router.fleet.log.LOAD_FIELDS` order."""
+        return (self.in_flight, self.prefill_tokens, self.decode_seqs, len(self.block_refs), self.context_blocks)
 
-    def note(self, d_in_flight: int, d_prefill: int, d_context: int) -> None:
-        """After a ticket changed the counters: copy them into the shared segment, and tell
-        :attr:`changed` the change (both only where configured)."""
-        if self.words is not None:
-            self.publish()
-        if self.changed is not None:
-            self.changed(self.name, d_in_flight, d_prefill, d_context)
-
-    def vector(self) -> list[int]:
-        """The counters, in :data:`router.shared_state.LOAD_FIELDS` order."""
-        return [self.in_flight, self.prefill_tokens, self.decode_seqs, len(self.block_refs), self.context_blocks]
+    def new_blocks(self, keys: list[int]) -> int:
+        """Blocks of ``keys`` no request in flight here holds yet (what a ticket for them adds
+        to ``active_blocks``: chained keys are distinct within one prompt)."""
+        refs = self.block_refs
+        return sum(1 for k in keys if k not in refs)
 
 
 class LoadView(_Figures):
-    """A backend's load over every worker and replica, as of the moment it was read: what
+    """A backend's load over every process of the router, as of the moment it was read: what
     :meth:`LoadTracker.get` answers when the load is shared. A snapshot, not live: read it
     again to see later changes."""
 
@@ -212,17 +186,15 @@ class LoadView(_Figures):
                  "scraped_waiting", "scraped_running", "scraped_kv_usage", "scraped_unseen", "own",
                  "prefilling")
 
-    def __init__(self, own: BackendLoad, others: Sequence[int], at: int, remote: Sequence[int] | None) -> None:
-        """``others[at:at + 5]``: the other workers' counters (a flat list of rows)."""
+    def __init__(self, own: BackendLoad, remote: list[int] | tuple[int, ...]) -> None:
         self.name = own.name
         self.own = own
-        o = others
-        r = remote or _ZERO
-        self.in_flight = own.in_flight + o[at] + r[0]
-        self.prefill_tokens = own.prefill_tokens + o[at + 1] + r[1]
-        self.decode_seqs = own.decode_seqs + o[at + 2] + r[2]
-        self.active_blocks = len(own.block_refs) + o[at + 3] + r[3]
-        self.context_blocks = own.context_blocks + o[at + 4] + r[4]
+        r = remote
+        self.in_flight = own.in_flight + r[0]
+        self.prefill_tokens = own.prefill_tokens + r[1]
+        self.decode_seqs = own.decode_seqs + r[2]
+        self.active_blocks = len(own.block_refs) + r[3]
+        self.context_blocks = own.context_blocks + r[4]
         self.scraped_waiting = own.scraped_waiting
         self.scraped_running = own.scraped_running
         self.scraped_kv_usage = own.scraped_kv_usage
@@ -235,65 +207,80 @@ class Ticket:
 
     ``prefill`` are the tokens the engine must compute before the first token (the
     uncached part of the prompt); they move out of ``prefill_tokens`` at the first
-    streamed byte, and the request then counts as one decode sequence.
+    streamed byte, and the request then counts as one decode sequence. Each change is one
+    record of the fleet-state log when the load is shared.
     """
 
-    __slots__ = ("load", "keys", "prefill", "phase")
+    __slots__ = ("load", "keys", "prefill", "phase", "model")
 
-    def __init__(self, load: BackendLoad, keys: list[int], prefill: int) -> None:
+    def __init__(self, load: BackendLoad, keys: list[int], prefill: int, model: str = "", *, announced: bool = False) -> None:
+        """``announced``: its :class:`Decided` record went out already (committed to the
+        replicas' order), so only this host's other workers are told here."""
         self.load = load
         self.keys = keys
         self.prefill = prefill
         self.phase = 0
+        self.model = model
         load.in_flight += 1
-        load.sent += 1
         load.prefill_tokens += prefill
         load.context_blocks += len(keys)
         load.prefilling.add(self)
         refs = load.block_refs
+        before = len(refs)
         for k in keys:
             refs[k] = refs.get(k, 0) + 1
-        load.note(1, prefill, len(keys))
+        if load.fleet is not None:
+            record = Decided(model, load.name, (1, prefill, 0, len(refs) - before, len(keys)), stored_keys(keys))
+            load.fleet.append(record, to_fleet=not announced)
 
     def first_token(self) -> None:
         if self.phase == 0:
             self.phase = 1
-            self.load.prefilling.discard(self)
-            self.load.prefill_tokens -= self.prefill
-            self.load.decode_seqs += 1
-            self.load.note(0, -self.prefill, 0)
+            load = self.load
+            load.prefilling.discard(self)
+            load.prefill_tokens -= self.prefill
+            load.decode_seqs += 1
+            if load.fleet is not None:
+                load.fleet.append(FirstToken(load.name, (0, -self.prefill, 1, 0, 0)))
 
     def settle(self, keys: list[int], prefill: int) -> None:
         """Replace the estimate a deferred request was sent with (the keys of its head and
         a token count from the text's length) by its exact keys and prefill tokens."""
         if self.phase == 2:
             return
+        load = self.load
         d_prefill = prefill - self.prefill if self.phase == 0 else 0
         d_context = len(keys) - len(self.keys)
-        self.load.prefill_tokens += d_prefill
+        before = len(load.block_refs)
+        load.prefill_tokens += d_prefill
         self.prefill = prefill
         self._unref()
         self.keys = keys
-        self.load.context_blocks += len(keys)
-        refs = self.load.block_refs
+        load.context_blocks += len(keys)
+        refs = load.block_refs
         for k in keys:
             refs[k] = refs.get(k, 0) + 1
-        self.load.note(0, d_prefill, d_context)
+        if load.fleet is not None:
+            d = (0, d_prefill, 0, len(refs) - before, d_context)
+            load.fleet.append(Settled(self.model, load.name, d, stored_keys(keys)))
 
     def release(self) -> None:
         if self.phase == 2:
             return
         load = self.load
-        d_prefill = -self.prefill if self.phase == 0 else 0
+        before = len(load.block_refs)
         if self.phase == 0:
+            d: Load = (-1, -self.prefill, 0, 0, -len(self.keys))
             load.prefill_tokens -= self.prefill
             load.prefilling.discard(self)
         else:
+            d = (-1, 0, -1, 0, -len(self.keys))
             load.decode_seqs -= 1
         self.phase = 2
         load.in_flight -= 1
         self._unref()
-        load.note(-1, d_prefill, -len(self.keys))
+        if load.fleet is not None:
+            load.fleet.append(Ended(load.name, (d[0], d[1], d[2], len(load.block_refs) - before, d[4])))
 
     def _unref(self) -> None:
         self.load.context_blocks -= len(self.keys)
@@ -309,113 +296,47 @@ class Ticket:
 class LoadTracker:
     """The loads of every configured backend, by name: this process's own (:meth:`own`),
     and what the policies read (:meth:`get`: the same object when nothing is shared, else a
-    :class:`LoadView` over every worker and replica)."""
+    :class:`LoadView` over every process of the router)."""
 
     def __init__(self, names: list[str]) -> None:
         self.backends: dict[str, BackendLoad] = {n: BackendLoad(n) for n in names}
-        self.segment: Segment | None = None
-        self.worker = 0
-        self._slots: dict[str, int] = {}
-        self.remote: dict[str, tuple[int, int, int, int, int]] = {}
-        """Other replicas' load by backend, summed (set by :class:`router.replica_load.ReplicaLoad`)."""
-        self.claims = 0
-        """Load changes pushed so far (:meth:`push_changes`): a shared load vector carries the
-        count it includes, so a replica can tell which pushed changes it already covers."""
-        self._push: Callable[[int, str, int, int, int], None] | None = None
-        self.shared = False
-        self._rows: np.ndarray | None = None
-        self._others: list[int] = []
-        self._others_at = -1.0
-        self._used = 0
-        self._sent_seen: dict[str, int] = {}
+        self.fleet: FleetLog | None = None
+        self.remote: dict[str, list[int]] = {}
+        """The other processes' load by backend, summed (the fleet-state log's fold)."""
 
-    def share(self, segment: Segment | None, worker: int) -> None:
-        """Publish this worker's load into ``segment`` and read the other workers' from it
-        (call before the first request); with ``segment`` None, only replicas share."""
-        self.segment = segment
-        self.worker = worker
-        self.shared = True
-        if segment is None:
-            return
-        segment.zero_worker(worker)
-        self._rows = segment.rows()
-        for name, load in self.backends.items():
-            self._attach(name, load)
-
-    def _attach(self, name: str, load: BackendLoad) -> None:
-        seg = self.segment
-        if seg is None:
-            return
-        slot = self._slots[name] = seg.slot(name)
-        self._used = max(self._used, slot + 1)
-        self._others_at = -1.0
-        load.words = seg.words
-        load.base = seg.row_base(self.worker, slot)
-        load.publish()
-
-    def acquire(self, backend: str, keys: list[int], prefill_tokens: int) -> Ticket:
-        return Ticket(self.backends[backend], keys, prefill_tokens)
-
-    def push_changes(self, push: Callable[[int, str, int, int, int], None]) -> None:
-        """Send every ticket change, numbered, to ``push`` (number, backend, in-flight,
-        prefill-token and context-block changes): :meth:`router.replica_decisions.ReplicaDecisions.claim`
-        pushes them to the other replicas at once (router/replica_load.py, "Claims")."""
-        self._push = push
+    def share(self, fleet: FleetLog) -> None:
+        """Append every change to ``fleet`` and weigh the other processes' load it folds
+        (call before the first request)."""
+        self.fleet = fleet
+        self.remote = fleet.state.remote
+        fleet.state.on_scraped = self._take_scraped
         for load in self.backends.values():
-            load.changed = self._changed
+            load.fleet = fleet
 
-    def _changed(self, backend: str, d_in_flight: int, d_prefill: int, d_context: int) -> None:
-        self.claims += 1
-        assert self._push is not None
-        self._push(self.claims, backend, d_in_flight, d_prefill, d_context)
+    @property
+    def shared(self) -> bool:
+        return self.fleet is not None
+
+    def acquire(self, backend: str, keys: list[int], prefill_tokens: int, model: str = "", *,
+                announced: bool = False) -> Ticket:
+        return Ticket(self.backends[backend], keys, prefill_tokens, model, announced=announced)
+
+    def preview(self, backend: str, keys: list[int], prefill_tokens: int) -> Load:
+        """The change :meth:`acquire` would make now (a decision's record before it is sent)."""
+        return (1, prefill_tokens, 0, self.backends[backend].new_blocks(keys), len(keys))
 
     def get(self, backend: str) -> BackendLoad | LoadView:
-        """The backend's load as the policies weigh it: every worker's and replica's requests."""
+        """The backend's load as the policies weigh it: every process's requests."""
         own = self.backends[backend]
-        if not self.shared:
+        fleet = self.fleet
+        if fleet is None:
             return own
-        if self.segment is None:
-            return LoadView(own, _ZERO, 0, self.remote.get(backend))
-        return LoadView(own, self._other_workers(), self._slots[backend] * ROW_WORDS, self.remote.get(backend))
+        fleet.catch_up()
+        return LoadView(own, self.remote.get(backend) or _ZERO)
 
-    def _other_workers(self) -> list[int]:
-        """Every slot's row summed over the other workers, flat (``ROW_WORDS`` per slot), read
-        at most every :data:`OTHERS_TTL_S`: one read serves all the candidates of a request.
-        With 2 workers it is the other worker's rows as they are (one slice copied: 0.3 us);
-        with more, one numpy sum (2-6 us for up to 50 backends, where reading each backend's
-        rows in Python cost 2.3 us per backend at 8 workers). The other workers' changes are
-        seen up to that much later, as if they had come a moment later; this worker's own
-        counters are always read live."""
-        now = time.perf_counter()
-        if now - self._others_at > OTHERS_TTL_S:
-            seg = self.segment
-            assert seg is not None
-            used = self._used
-            if seg.n_workers == 2:
-                start = seg.row_base(1 - self.worker, 0)
-                self._others = seg.words[start:start + used * ROW_WORDS].tolist()
-            else:
-                rows = self._rows
-                assert rows is not None
-                self._others = (rows[:, :used].sum(axis=0) - rows[self.worker, :used]).ravel().tolist()
-            self._others_at = now
-        return self._others
-
-    def sent_by_other_workers(self) -> dict[str, int]:
-        """Requests the other workers sent to each backend since the last call (kv_aware's
-        request share counts them: :meth:`router.core.Router._count_other_workers_forever`).
-        A backend's first call only takes the count as it is; a count that went down (a
-        worker restarted, its row zeroed) is taken as it is too."""
-        if self.segment is None:
-            return {}
-        others, seen, out = self._other_workers(), self._sent_seen, {}
-        for name, slot in self._slots.items():
-            n = others[slot * ROW_WORDS + SENT_WORD]
-            last = seen.get(name)
-            if last is not None and n > last:
-                out[name] = n - last
-            seen[name] = n
-        return out
+    def snapshot(self) -> dict[str, Load]:
+        """This process's counters per backend (a fleet-state snapshot)."""
+        return {name: load.vector() for name, load in self.backends.items()}
 
     def own(self, backend: str) -> BackendLoad:
         """This process's requests only (what it must drain before it forgets a backend)."""
@@ -423,40 +344,37 @@ class LoadTracker:
 
     def add(self, backend: str) -> None:
         load = self.backends[backend] = BackendLoad(backend)
-        if self._push is not None:
-            load.changed = self._changed
-        self._attach(backend, load)
+        load.fleet = self.fleet
 
     def remove(self, backend: str) -> None:
         """Forget a backend a config reload removed (its tickets all released)."""
         del self.backends[backend]
-        slot = self._slots.pop(backend, None)
-        if slot is not None and self.segment is not None:
-            self.segment.zero_row(self.worker, slot)
 
     def publish_scraped(self) -> None:
-        """The engines' gauges this worker scraped, for the other workers (the leader)."""
-        seg = self.segment
-        assert seg is not None
+        """The engines' gauges this process scraped, for the other workers of its host."""
+        if self.fleet is None:
+            return
         for name, load in self.backends.items():
-            seg.set_scraped(self._slots[name], load.scraped_waiting, load.scraped_running, load.scraped_kv_usage,
-                            load.scraped_unseen, load.scraped_at)
+            self.fleet.append(Scraped(name, load.scraped_waiting, load.scraped_running, load.scraped_kv_usage,
+                                      load.scraped_unseen, load.scraped_at), host_only=True)
 
-    def take_scraped(self) -> None:
-        """The engines' gauges as the leader last scraped them."""
-        seg = self.segment
-        assert seg is not None
-        for name, load in self.backends.items():
-            (load.scraped_waiting, load.scraped_running, load.scraped_kv_usage, load.scraped_unseen,
-             load.scraped_at) = seg.scraped(self._slots[name])
+    def _take_scraped(self, r: Scraped) -> None:
+        load = self.backends.get(r.backend)
+        if load is not None:
+            load.scraped_waiting, load.scraped_running, load.scraped_kv_usage = r.waiting, r.running, r.usage
+            load.scraped_unseen, load.scraped_at = r.unseen, r.at
 
-    def worker_rows(self, backend: str) -> list[dict[str, int]] | None:
-        """Each worker's published counters for ``backend`` (``/debug/backends``), or None unshared."""
-        seg = self.segment
-        slot = self._slots.get(backend)
-        if seg is None or slot is None:
-            return None
-        return [dict(zip(LOAD_FIELDS, seg.row(w, slot))) for w in range(seg.n_workers)]
+    def by_worker(self, backend: str, worker: int, workers: int) -> list[dict[str, int]]:
+        """Each worker's counters for ``backend``, this one's and the others' as folded
+        (``/debug/backends``)."""
+        from router.fleet.log import LOAD_FIELDS
+        from router.fleet.ring import sender
+
+        assert self.fleet is not None
+        folded = self.fleet.state.by_sender(backend)
+        rows = [list(self.backends[backend].vector()) if w == worker else folded.get(sender(w), [0] * 5)
+                for w in range(workers)]
+        return [dict(zip(LOAD_FIELDS, r)) for r in rows]
 
     def total_in_flight(self) -> int:
         return sum(b.in_flight for b in self.backends.values())
@@ -504,18 +422,17 @@ async def scrape_forever(pool: BackendPool, tracker: LoadTracker, interval_s: fl
     """Every ``interval_s``, read each backend's gauges; a failed scrape clears them
     (stale numbers would keep steering traffic by a picture that is gone).
 
-    Workers sharing a segment scrape once for all: the health leader (worker 0) scrapes and
-    publishes what it read, the others copy it every quarter interval (an engine's page
-    costs the router milliseconds to parse, N times over otherwise), and scrape for
-    themselves while the leader is gone."""
+    Workers of one host scrape once for all: the health leader (worker 0) scrapes and
+    appends what it read to the fleet-state log, the others take it from there (an
+    engine's page costs the router milliseconds to parse, N times over otherwise), and
+    scrape for themselves while the leader is silent."""
     while True:
         started = time.monotonic()
-        if tracker.segment is not None and not pool.leader and not pool.leader_gone():
-            tracker.take_scraped()
+        if not pool.leader and not pool.leader_gone():
             await asyncio.sleep(interval_s / 4)
             continue
         await asyncio.gather(*(_scrape_one(pool, tracker, name) for name in tracker.backends))
-        if tracker.segment is not None:
+        if pool.workers > 1:
             tracker.publish_scraped()
         await asyncio.sleep(max(0.0, interval_s - (time.monotonic() - started)))
 

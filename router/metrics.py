@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from indexer.subscriber import StreamStats
     from router.background import Background
     from router.backends import BackendPool
+    from router.fleet.ring import Ring
     from router.load import LoadTracker
 
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
@@ -124,6 +125,31 @@ CONFIG_RELOADS = Counter(
 )
 
 
+FLEET_LOG_FAILURES = Counter(
+    "kvrouter_fleet_log_failures",
+    "Fleet-state log operations between replicas that failed, by what (append, read, order: Redis down or "
+    "slow; decode: an entry that is not a batch of records)",
+    ["what"],
+)
+FLEET_LOG_DELAY = Histogram(
+    "kvrouter_fleet_log_delay_seconds",
+    "Age of another replica's fleet-state entry when this process folds it: how late it learns what the "
+    "others just routed",
+    buckets=LATENCY_BUCKETS,
+)
+SEQUENCED = Counter(
+    "kvrouter_sequenced_decisions",
+    "Decisions committed in the replicas' shared order, by outcome: first (no other replica committed "
+    "meanwhile), again (decided again after others' commits, same backend), moved (decided again, another "
+    "backend), failed (Redis down or slow: sent as decided alone)",
+    ["outcome"],
+)
+SEQUENCE_SECONDS = Histogram(
+    "kvrouter_sequence_seconds",
+    "Time a decision spent in the replicas' shared order, by stage: wait (for this process's "
+    "earlier commits) and commit (its own tries, decisions made again included)",
+    ["stage"], buckets=LATENCY_BUCKETS,
+)
 HEALTH_LEADER_GONE = Counter(
     "kvrouter_health_leader_gone",
     "Times a worker of serve --workers found the health leader (worker 0) silent and began checking backends itself",
@@ -153,7 +179,9 @@ class FleetCollector(Collector):
         stream_stats: Callable[[], dict[Worker, StreamStats]],
         stream_registry: CollectorRegistry | None = None,
         background: Background | None = None,
+        ring: Ring | None = None,
     ) -> None:
+        self.ring = ring
         self.pool = pool
         self.loads = loads
         self.stream_stats = stream_stats
@@ -199,11 +227,10 @@ class FleetCollector(Collector):
         yield last_seq
         yield blocks
         yield from self._runtime()
-        segment = self.loads.segment
-        if segment is not None:
-            yield GaugeMetricFamily("kvrouter_workers", "Router worker processes (serve --workers)", value=float(segment.n_workers))
+        if self.ring is not None:
+            yield GaugeMetricFamily("kvrouter_workers", "Router worker processes (serve --workers)", value=float(self.ring.n_workers))
             yield CounterMetricFamily("kvrouter_worker_restarts", "Worker processes the supervisor restarted after they died",
-                                      value=float(segment.restarts))
+                                      value=float(self.ring.restarts))
         if self.stream_registry is not None and not multiprocess():
             # The subscriber's counters (gaps, replays, connected, rehash mode, ...).
             yield from self.stream_registry.collect()

@@ -394,7 +394,7 @@ class ProxyResponse(Response):
             if ticket is None or ticket.load.name != name:
                 if ticket is not None:
                     ticket.release()
-                ticket = self._up.loads.acquire(name, self._req.keys, self._req.prefill_tokens.get(name, 0))
+                ticket = self._up.loads.acquire(name, self._req.keys, self._req.prefill_tokens.get(name, 0), self._req.model)
             if tried == 1:
                 metrics.child(metrics.OVERHEAD_SECONDS, self._req.model).observe(time.perf_counter() - self._req.started)
             elif self._req.on_fallback is not None:

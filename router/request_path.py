@@ -9,8 +9,8 @@ Every OpenAI request takes these stages in this order, each in a module of its o
    remembered history's keys) with the rest owed to the background;
 4. **look up** (the index, :mod:`indexer.index`): leading blocks per backend and tier;
 5. **choose** (:mod:`router.choose`): candidates with their load; the policy decides;
-   replicas then commit the decision to the order they share, deciding again if other
-   replicas' decisions overtook it (:meth:`RequestPath.order`, :mod:`router.replica_sequence`);
+   replicas then commit the decision to the fleet-state log they share, deciding again if
+   other replicas' decisions overtook it (:meth:`RequestPath.order`, :mod:`router.fleet.stream`);
 6. **send** (:mod:`router.proxy`): the original bytes to the chosen backend, retried on
    the next before any byte came back, relayed as they arrive;
 7. **settle** (:mod:`router.settle`): what the plan owes, on the background thread.
@@ -33,12 +33,14 @@ from typing import TYPE_CHECKING, Any
 
 from indexer.index import Index, Worker
 from router import metrics
-from router.choose import Decided, candidates, commit, prefill_tokens
+from router.choose import Decided, candidates, commit, prefill_tokens, uncached
 from router.config import RouterSettings
 from router.errors import NoHealthyBackend
+from router.fleet.log import Decided as DecidedRecord
 from router.load import LoadTracker
 from router.parse import session_key, validate_fields
 from router.plans import Deferred, ExactIds, Planner, Query
+from router.policies.approx_index import stored_keys
 from router.policies.base import RequestCtx
 from router.prompt_ids import observe_ids
 from router.proxy import ProxyResponse, Upstream, Upstreams
@@ -46,7 +48,7 @@ from router.runtime import ModelRuntime, Models
 from router.settle import Settler
 
 if TYPE_CHECKING:
-    from router.replica_sequence import ReplicaSequence
+    from router.fleet.stream import FleetStream
 
 
 @dataclass(slots=True)
@@ -65,8 +67,8 @@ class RequestPath:
     """Models whose index another process's subscriber fills (``kvrouter indexer`` into
     Redis) and holds blocks of their backends: events count as connected for them
     (kept by :meth:`router.core.Router._watch_index_feed`)."""
-    sequencer: ReplicaSequence | None = None
-    """Commits decisions to the order replicas share (``router.shared_sequence``; set at start)."""
+    stream: FleetStream | None = None
+    """The replicas' fleet-state log, which orders their decisions (``router.fleet_state``; set at start)."""
 
     async def decide(self, body: dict[str, Any], raw_len: int, kind: str, headers: Any, *, act: bool = False) -> Decided:
         """Stages 2-5 for a parsed body. With ``act`` (a request about to be sent) the plan
@@ -116,11 +118,22 @@ class RequestPath:
         return Decided(q, plan, ctx, cands, decision, lookup_s)
 
     async def order(self, d: Decided) -> None:
-        """Stage 5b, replicas only: commit the decision to the order all replicas share,
-        deciding again if other replicas' decisions overtook it (:mod:`router.replica_sequence`).
-        :meth:`send` must follow at once, without an ``await`` in between."""
-        if self.sequencer is not None and self.sequencer.applies(d):
-            await self.sequencer.order(d, self._decide_again)
+        """Stage 5b, replicas only: commit the decision to the fleet-state log all replicas
+        share, deciding again if other replicas' decisions overtook it
+        (:meth:`router.fleet.stream.FleetStream.order`): kv_aware's decisions with a choice to
+        make. :meth:`send` must follow at once, without an ``await`` in between."""
+        stream = self.stream
+        if stream is None or d.rt.policy.name != "kv_aware" or sum(c.healthy for c in d.candidates) < 2:
+            return
+
+        def record() -> DecidedRecord:
+            backend = d.decision.backend
+            chosen = next(c for c in d.candidates if c.backend == backend)
+            prefill = uncached(d.ctx.num_tokens, chosen, d.ctx.block_size)
+            load = self.loads.preview(backend, d.ctx.keys, prefill)
+            return DecidedRecord(d.rt.name, backend, load, stored_keys(d.ctx.keys))
+
+        d.ordered = await stream.order(record, lambda: self._decide_again(d))
 
     def _decide_again(self, d: Decided) -> None:
         """Stage 5 again, on the same lookup, with the load and prefixes counted since."""
@@ -148,9 +161,7 @@ class RequestPath:
         already sees this request (its load, its remembered prefix, its pending settle)."""
         chosen = d.decision.backend  # 6. send
         prefill = prefill_tokens(d.ctx, d.candidates)
-        ticket = self.loads.acquire(chosen, d.ctx.keys, prefill[chosen])
-        if d.sequence_number and self.sequencer is not None:
-            self.sequencer.sent(d.sequence_number)
+        ticket = self.loads.acquire(chosen, d.ctx.keys, prefill[chosen], d.rt.name, announced=d.ordered)
         try:
             commit(d, chosen)
             _count(d)

@@ -20,7 +20,9 @@ from router.config import Config, Model
 from router.errors import BadRequest, PromptTooLong, UnknownModel
 from router.hash_cache import HashCache
 from router.history import HistoryMemo
-from router.policies import make_policy
+from router.policies import make_policy, memory_ttl
+from router.policies.approx_index import ApproxPrefixIndex
+from router.policies.shares import Shares
 from router.policies.base import Policy, PrefixMemory, ReadsEngineState
 from router.tokenize import ParityGuard, PromptTokenizer, RemoteTokenizer, TokenizeError, load_tokenizer
 
@@ -45,6 +47,11 @@ class ModelRuntime:
     max_model_len: int | None = None
     lora: dict[str, dict[str, Any]] = field(default_factory=dict)
     has_events: bool = False
+    prefixes: ApproxPrefixIndex | None = None
+    """Where the router sent prefixes lately, as the policy was built with it (every
+    process's decisions are folded into it: :mod:`router.fleet.log`)."""
+    shares: Shares | None = None
+    """The model's recent decisions per backend, likewise."""
     memory: PrefixMemory | None = None
     """The policy itself when it remembers its decisions by prefix (kv_aware, prefix_approx)."""
     history: HistoryMemo | None = None
@@ -79,17 +86,22 @@ class Models:
         self.served: dict[str, tuple[ModelRuntime, dict[str, Any] | None]] = {}
         for m in config.models:
             hasher = BlockHasher(m.hash_algo, m.block_size, m.hash_seed, m.vllm_version)
+            name = m.policy or settings.policy
+            prefixes = ApproxPrefixIndex(memory_ttl(name, settings), settings.prefix_max_blocks)
+            shares = Shares(w.share_window)
             rt = ModelRuntime(
                 config=m,
                 hasher=hasher,
                 hash_cache=HashCache(hasher, settings.hash_cache_blocks, m.name),
-                policy=make_policy(m.policy or settings.policy, config, m),
+                policy=make_policy(name, config, m, prefixes, shares),
                 guard=ParityGuard(m.name, m.tokenizer_mode, m.parity_sample_rate),
                 remote=RemoteTokenizer(m.name),
                 backends=[b.name for b in m.backends],
                 tier_weights={"GPU": 1.0, "CPU": w.cpu_tier, "STORAGE": w.storage_tier, "DISK": w.storage_tier},
                 max_model_len=m.max_model_len,
                 has_events=any(b.kv_events for b in m.backends),
+                prefixes=prefixes,
+                shares=shares,
             )
             if settings.history_memo and settings.defer_cold_prompts:
                 rt.history = HistoryMemo(m.name)

@@ -4,7 +4,7 @@ uvicorn with uvloop and httptools (the fastest event loop and HTTP parser it off
 access logs are off because they cost more than routing a short request. With one
 worker (``--workers 1``) this is the whole router, in one process; with more, a
 supervisor (:mod:`router.workers`) runs this same command once per worker, each with
-its own ``SO_REUSEPORT`` socket on the port and the shared segment's directory.
+its own ``SO_REUSEPORT`` socket on the port and the directory of the host's fleet-state ring.
 
 The GIL switch interval is lowered from 5 ms to 0.5 ms: the KV-event subscriber and the
 tokenizer pool are CPU-bound threads, and with the default interval the event loop can
@@ -256,16 +256,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _join_workers(args: argparse.Namespace, config: Config, router: Router) -> socket.socket:
-    """A worker of ``serve --workers N``: attach the shared segment and bind the port with
+    """A worker of ``serve --workers N``: attach the host's fleet-state ring and bind the port with
     SO_REUSEPORT. The socket is not listening yet: uvicorn's server listens on it once the
     router has started (tokenizers loaded, backends checked), so the kernel sends a
     starting or restarting worker no connection it could not answer for seconds."""
-    from router.shared_state import Segment
-    from router.workers import SEGMENT_FILE, reuseport_socket
+    from router.fleet.ring import Ring
+    from router.workers import RING_FILE, reuseport_socket
 
-    segment = Segment.attach(Path(args.shared_dir) / SEGMENT_FILE)
-    segment.mark_started(args.worker_index, os.getpid())
-    if config.router.share_worker_state:
-        router.share(segment, args.worker_index, args.replica)
+    router.share(Ring.attach(Path(args.shared_dir) / RING_FILE, args.worker_index), args.worker_index, args.replica)
     return reuseport_socket(config.router.host, config.router.port)
 

@@ -23,9 +23,10 @@ no connection while it loads its tokenizers. The supervisor keeps a bound, non-l
 socket on the port, which reserves it (port 0 resolves to one port for every worker)
 without receiving connections.
 
-**What workers share** (:mod:`router.shared_state`): each backend's load (every worker's
-tickets, so kv_aware weighs every request, not 1/N of them) and one health verdict per
-backend (worker 0 checks, the others follow). ``/metrics`` sums every worker's series
+**What workers share** (the fleet-state log, :mod:`router.fleet.log`, through a ring per
+worker in shared memory, :mod:`router.fleet.ring`): each backend's load (every worker's
+tickets, so kv_aware weighs every request, not 1/N of them), the policies' recent
+decisions, and one health verdict per backend (worker 0 checks, the others follow). ``/metrics`` sums every worker's series
 (``PROMETHEUS_MULTIPROC_DIR``, set here before a worker starts: see
 :mod:`router.metrics`). Each worker follows the engines' KV-event streams itself with the
 in-memory index, or reads the Redis index ``kvrouter indexer`` fills: docs/scaling.md
@@ -33,13 +34,13 @@ gives the measured costs of both.
 
 **Signals.** SIGTERM: forwarded to every worker, each drains as a single router does
 (:mod:`router.server`), and the supervisor exits 0 once all of them exited 0. SIGINT
-likewise. SIGHUP: forwarded; each worker re-reads the config file (the backend slots of
-the shared segment are keyed by name, so workers that reload a moment apart agree).
+likewise. SIGHUP: forwarded; each worker re-reads the config file (the log names backends,
+so workers that reload a moment apart agree).
 
 **Restarts.** A worker that exits while the supervisor is not stopping is restarted
 after a back-off (:data:`FIRST_BACKOFF_S`, doubling to :data:`MAX_BACKOFF_S`, back to
-the first after :data:`STABLE_S` of life); its load row is zeroed first (its requests
-died with it: no phantom load) and ``kvrouter_worker_restarts`` counts it. A worker that
+the first after :data:`STABLE_S` of life); its ring's generation is bumped when it dies (its
+requests died with it: the other workers drop its load at once, no phantom load) and ``kvrouter_worker_restarts`` counts it. A worker that
 exits with status 2 or 3 (its config did not load, its router did not start) stops the
 supervisor with that status: a restart would fail the same way.
 """
@@ -61,7 +62,7 @@ from pathlib import Path
 from types import FrameType
 
 from router.config import Config
-from router.shared_state import Segment
+from router.fleet.ring import Ring
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,7 @@ FATAL = (2, 3)
 """A worker's exit statuses that stop the supervisor: 2, its config did not load; 3, its
 router did not start (a tokenizer that does not load). A restart would fail the same way
 (gunicorn's boot error does the same)."""
-SEGMENT_FILE = "shared"
+RING_FILE = "fleet"
 METRICS_DIR = "metrics"
 
 
@@ -162,7 +163,7 @@ class Supervisor:
         rundir = Path(tempfile.mkdtemp(prefix="kvrouter-", dir=shm if shm.is_dir() and os.access(shm, os.W_OK) else None))
         try:
             (rundir / METRICS_DIR).mkdir()
-            self.segment = Segment.create(rundir / SEGMENT_FILE, self.n)
+            self.ring = Ring.create(rundir / RING_FILE, self.n)
             settings = self.config.router
             try:
                 holder = _reserve(settings.host, settings.port)
@@ -178,7 +179,7 @@ class Supervisor:
                 self._spawn(i)
             code = self._watch()
             holder.close()
-            self.segment.close()
+            self.ring.close()
             return code
         finally:
             shutil.rmtree(rundir, ignore_errors=True)
@@ -206,7 +207,7 @@ class Supervisor:
 
     def _spawn(self, i: int) -> None:
         env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(self.rundir / METRICS_DIR)}
-        self.segment.zero_worker(i)
+        self.ring.new_generation(i)
         self.procs[i] = subprocess.Popen(self._command(i), env=env, stdin=subprocess.DEVNULL,
                                          preexec_fn=_worker_preexec)
         self.started_at[i] = time.monotonic()
@@ -237,7 +238,7 @@ class Supervisor:
         from prometheus_client import multiprocess as mp
 
         self.procs[i] = None
-        self.segment.zero_worker(i)  # its requests died with it
+        self.ring.new_generation(i, restarted=self.stopping is None and code not in FATAL)  # its requests died with it
         mp.mark_process_dead(p.pid, str(self.rundir / METRICS_DIR))
         # Its per-process gauges (the event streams' "connected", with a pid label) would
         # otherwise stay in every scrape as a worker that no longer exists.
@@ -258,5 +259,4 @@ class Supervisor:
         delay = self.backoff[i]
         self.backoff[i] = min(MAX_BACKOFF_S, delay * 2)
         self.restart_at[i] = now + delay
-        self.segment.count_restart()
         log.warning("worker %d (pid %d) died with status %d after %.1fs: restarting in %.1fs", i, p.pid, code, lived, delay)

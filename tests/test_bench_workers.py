@@ -40,13 +40,13 @@ def _all_completed(results: dict) -> dict:
 
 
 def test_two_workers_are_recorded_and_complete_every_request(tmp_path: Path) -> None:
-    results = _bench(tmp_path, "--router-workers", "2", "--router-setting", "share_worker_state=false")
+    results = _bench(tmp_path, "--router-workers", "2", "--router-setting", "defer_cold_prompts=false")
     meta = results["meta"]
     assert (meta["router_workers"], meta["router_replicas"]) == (2, 1)
-    assert meta["router_settings"] == {"share_worker_state": False}
+    assert meta["router_settings"] == {"defer_cold_prompts": False}
     _all_completed(results)
     cfg = (tmp_path / "logs" / "kv_aware" / "router-kv_aware.yaml").read_text()
-    assert "workers: 2" in cfg and "share_worker_state: false" in cfg
+    assert "workers: 2" in cfg and "defer_cold_prompts: false" in cfg
     md = (tmp_path / "report.md").read_text()
     assert "- router_workers: 2" in md and "- router_replicas: 1" in md
 
@@ -56,7 +56,7 @@ def test_two_workers_are_recorded_and_complete_every_request(tmp_path: Path) -> 
 def test_two_replicas_share_the_requests(tmp_path: Path, index: str) -> None:
     """On one Redis index fed by ``kvrouter indexer`` (the default for replicas), or each on
     its own in-memory index fed by the engines' events (``--router-index memory``), Redis
-    then carrying only load, decisions and the order."""
+    then carrying only the fleet-state log."""
     results = _bench(tmp_path, "--router-replicas", "2", *(["--router-index", "memory"] if index == "memory" else []))
     meta = results["meta"]
     assert (meta["router_workers"], meta["router_replicas"]) == (1, 2)
@@ -65,7 +65,7 @@ def test_two_replicas_share_the_requests(tmp_path: Path, index: str) -> None:
     # Both replicas routed (sessions round-robin), and between them every request (+ the decision probe's).
     assert len(run["replica_decisions"]) == 2 and all(n > 0 for n in run["replica_decisions"])
     assert sum(run["replica_decisions"]) >= 20
-    # Every decision was committed to the replicas' shared order (router.shared_sequence, on by default),
+    # Every decision was committed to the replicas' fleet-state log in order,
     # and the time that took is reported by stage.
     sequenced = run["sequenced_decisions"]
     assert sum(sequenced.values()) >= 20 and sequenced.get("failed", 0) == 0, sequenced
@@ -77,7 +77,7 @@ def test_two_replicas_share_the_requests(tmp_path: Path, index: str) -> None:
     configs = [yaml.safe_load((logs / f"router-kv_aware-{i}.yaml").read_text()) for i in range(2)]
     if index == "memory":
         assert not (logs / "indexer.yaml").exists()
-        assert all(c["index"] == "memory" and c["router"]["shared_load"].startswith("redis://") for c in configs)
+        assert all(c["index"] == "memory" and c["router"]["fleet_state"].startswith("redis://") for c in configs)
     else:
         assert (logs / "indexer.yaml").exists()
         assert all(c["index"].startswith("redis://") for c in configs)
@@ -88,9 +88,9 @@ def test_router_flags_are_checked() -> None:
     from loadtest.workloads import WorkloadError
 
     assert parse_settings([]) == {}
-    assert parse_settings(["share_worker_state=false", "health_interval_s=0.5"]) == {
-        "share_worker_state": False, "health_interval_s": 0.5}
-    for bad, msg in ((["nope=1"], "nope"), (["share_worker_state=maybe"], "share_worker_state"),
+    assert parse_settings(["defer_cold_prompts=false", "health_interval_s=0.5"]) == {
+        "defer_cold_prompts": False, "health_interval_s": 0.5}
+    for bad, msg in ((["nope=1"], "nope"), (["defer_cold_prompts=maybe"], "defer_cold_prompts"),
                      (["workers=2"], "--router-workers"), (["x"], "KEY=VALUE")):
         with pytest.raises(WorkloadError, match=msg):
             parse_settings(bad)

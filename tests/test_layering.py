@@ -57,7 +57,7 @@ def test_every_first_party_package_has_a_place_in_the_order() -> None:
     assert all(modules(p) for p in ORDER)
 
 
-REQUEST_PATH = ["parse", "runtime", "prompt_ids", "plans", "choose", "replica_sequence", "settle", "proxy", "request_path", "core", "app", "server"]
+REQUEST_PATH = ["parse", "runtime", "prompt_ids", "plans", "choose", "settle", "proxy", "request_path", "core", "app", "server"]
 """The request path's modules in dependency order (docs/architecture.md, "The request
 path"): each may import the ones before it; the rest of ``router/`` (config, errors,
 metrics, load, backends, background, the tokenizer's modules, cold, history, policies)

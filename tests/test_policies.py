@@ -23,6 +23,7 @@ from router.policies.prefix_approx import PrefixApprox
 from router.policies.random import RandomPolicy
 from router.policies.round_robin import RoundRobin
 from router.policies.session import SessionAffinity
+from router.policies.shares import Shares
 
 BS = 16
 
@@ -114,7 +115,7 @@ def test_approx_index_is_bounded() -> None:
 
 
 def test_prefix_approx_follows_its_own_decisions() -> None:
-    p = PrefixApprox(60.0, 10_000, KvAwareWeights())
+    p = PrefixApprox(ApproxPrefixIndex(60.0, 10_000), KvAwareWeights())
     c = ctx(160)
     first = p.choose(c, fleet(4))
     p.commit(c, first)
@@ -124,7 +125,7 @@ def test_prefix_approx_follows_its_own_decisions() -> None:
 
 
 def test_prefix_approx_load_guard_moves_overloaded_hits() -> None:
-    p = PrefixApprox(60.0, 10_000, KvAwareWeights(imbalance_ratio=1.25, imbalance_slack=2))
+    p = PrefixApprox(ApproxPrefixIndex(60.0, 10_000), KvAwareWeights(imbalance_ratio=1.25, imbalance_slack=2))
     c = ctx(160)
     p.commit(c, p.choose(c, fleet(2)))
     chosen = p.choose(c, fleet(2)).backend
@@ -134,8 +135,13 @@ def test_prefix_approx_load_guard_moves_overloaded_hits() -> None:
     assert d.reason == "load_guard" and d.backend != chosen
 
 
+def kv_aware(weights: KvAwareWeights, max_blocks: int, rng: random.Random | None = None) -> KvAware:
+    """kv_aware with a prefix memory and request share of its own (a lone router process)."""
+    return KvAware(weights, ApproxPrefixIndex(weights.speculative_ttl_s, max_blocks), Shares(weights.share_window), rng)
+
+
 def kv(**w: float) -> KvAware:
-    return KvAware(KvAwareWeights(**w), 100_000, random.Random(7))
+    return kv_aware(KvAwareWeights(**w), 100_000, random.Random(7))
 
 
 def test_kv_aware_cost_matches_the_documented_formula() -> None:
@@ -186,12 +192,12 @@ def test_kv_aware_ties_spread_unrelated_prompts_and_agree_across_processes() -> 
     """Ties break by the first block key: prompts of different prefixes spread over every
     backend, and two independent deciders (two workers, two replicas) put the same new
     prefix on the same backend."""
-    p = KvAware(KvAwareWeights(), 1000)
+    p = kv_aware(KvAwareWeights(), 1000)
     picks = Counter(p.choose(ctx(64, keys=[k, k + 1, k + 2, k + 3]), fleet(4)).backend for k in range(0, 800, 4))
     assert len(picks) == 4 and min(picks.values()) >= 25, picks
     for k in range(0, 400, 4):
-        a = KvAware(KvAwareWeights(), 1000, random.Random(1)).choose(ctx(64, keys=[k, 7, 8, 9]), fleet(4))
-        b = KvAware(KvAwareWeights(), 1000, random.Random(2)).choose(ctx(64, keys=[k, 5, 6]), fleet(4))
+        a = kv_aware(KvAwareWeights(), 1000, random.Random(1)).choose(ctx(64, keys=[k, 7, 8, 9]), fleet(4))
+        b = kv_aware(KvAwareWeights(), 1000, random.Random(2)).choose(ctx(64, keys=[k, 5, 6]), fleet(4))
         assert a.backend == b.backend, k
 
 
@@ -330,7 +336,7 @@ def test_share_cap_spreads_sessions_of_a_popular_prefix_but_not_long_contexts() 
     assert off["b0"] == 80, off
     assert max(on.values()) <= 1.3 * 80 / 4, on
     # An agent step over a 4,000-token context cached only on the busiest backend stays.
-    busiest = max(on, key=lambda b: p._recent.get(b, 0.0))
+    busiest = max(on, key=lambda b: p.shares.of(b))
     context = list(range(50_000, 50_250))
     held[busiest].update(context)
     cands = fleet(4)
@@ -338,7 +344,7 @@ def test_share_cap_spreads_sessions_of_a_popular_prefix_but_not_long_contexts() 
     q = ctx(251 * BS, keys=context + [1])
     for _ in range(6):
         p.commit(q, p.choose(q, cands))
-    assert p._recent[busiest] > 1.15 * p._recent_sum / 4  # over its share: the cap is considered
+    assert p.shares.of(busiest) > 1.15 * p.shares.total / 4  # over its share: the cap is considered
     for c in cands:
         c.load.in_flight = 1  # a busy fleet, and under the load guard
     d = p.choose(q, cands)
@@ -519,8 +525,8 @@ def test_sparse_approx_index_is_exact_for_extensions_and_never_more_than_a_strid
 
 
 @pytest.mark.parametrize("make", [
-    lambda: KvAware(KvAwareWeights(), 1000),
-    lambda: PrefixApprox(60.0, 1000, KvAwareWeights()),
+    lambda: kv_aware(KvAwareWeights(), 1000),
+    lambda: PrefixApprox(ApproxPrefixIndex(60.0, 1000), KvAwareWeights()),
 ], ids=["kv_aware", "prefix_approx"])
 def test_a_policy_with_prefix_memory_forgets_a_backend(make) -> None:
     from router.policies.base import PrefixMemory

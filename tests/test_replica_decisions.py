@@ -1,9 +1,10 @@
-"""Router replicas on one Redis decide as one process (issue 16, issue 17 §5).
+"""Router replicas on one Redis decide as one process.
 
 Real processes on loopback: ``kvrouter serve`` replicas (one process each), simulated
 engines (``kvrouter sim``), a real ``redis-server`` and, for the index, ``kvrouter indexer``.
-The replicas share kv_aware's memory of where it just sent each prefix through Redis
-pub/sub (router/replica_decisions.py); these tests hold them to what that promises.
+The replicas share their load, kv_aware's memory of where it just sent each prefix and its
+request share through one Redis Stream, the fleet-state log (router/fleet/); these tests
+hold them to what that promises.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from typing import Any
 
 import httpx
 import pytest
-import redis
 import yaml
 
 from loadtest.fleet import scrape, scrape_labelled
@@ -79,19 +79,19 @@ async def round_robin_burst(urls: list[str], n: int, seed: int) -> list[tuple[st
     return [await first, *rest]
 
 
-def replica_config(sim: Any, redis_url: str, *, shared_decisions: bool, events: bool = True) -> dict[str, Any]:
+def replica_config(sim: Any, redis_url: str, *, shared: bool, events: bool = True) -> dict[str, Any]:
     backends = [sim_backend(sim, i) if events else {"name": f"sim{i}", "url": sim.http(i)} for i in range(sim.instances)]
     return {"models": [model(*backends)], "index": "memory", "index_namespace": f"rd-{random.randrange(1 << 30)}",
             # The share cap off: these bursts check who follows whom; the cap spreads a burst on
             # purpose once the leader's backend passes its share (test_policies.py).
-            "router": {"shared_load": redis_url, "shared_decisions": shared_decisions, "health_interval_s": 0.5,
+            "router": {"fleet_state": redis_url if shared else "local", "health_interval_s": 0.5,
                        "expose_decision_headers": True, "weights": {"share_cap": 0}}}
 
 
-def bursts(sim: Any, redis_url: str, tmp: Path, *, shared_decisions: bool, n: int) -> list[list[tuple[str, str]]]:
+def bursts(sim: Any, redis_url: str, tmp: Path, *, shared: bool, n: int) -> list[list[tuple[str, str]]]:
     """``n`` round-robin bursts of 9 over 3 fresh replicas: (backend, reason) per request."""
-    replicas = start(replica_config(sim, redis_url, shared_decisions=shared_decisions, events=False), tmp, 3,
-                     "shared" if shared_decisions else "alone")
+    replicas = start(replica_config(sim, redis_url, shared=shared, events=False), tmp, 3,
+                     "shared" if shared else "alone")
     try:
         return [asyncio.run(round_robin_burst([r.url for r in replicas], 9, seed=random.randrange(1 << 30)))
                 for _ in range(n)]
@@ -105,7 +105,7 @@ def test_a_burst_on_a_new_prefix_round_robin_over_3_replicas_lands_on_one_backen
     """A burst sharing a new prefix, its first request to replica 0 and the rest spread
     round-robin over 3 replicas while that first one is still in prefill, lands on one
     backend, as one process sends it, each follower knowing where the prefix went
-    (``speculative_hit``). Without shared decision memory the other replicas' first
+    (``speculative_hit``). Without a shared fleet state the other replicas' first
     requests are blind (``no_events``): where they land is then up to the load terms.
     The engines' KV events are left out: the decision memory is then the only thing that
     says where the prefix went, which is what this test is about (with events, a follower
@@ -113,13 +113,13 @@ def test_a_burst_on_a_new_prefix_round_robin_over_3_replicas_lands_on_one_backen
     answered is charged its whole prefill as queue: the in-prefill credit reads only this
     process's tickets)."""
     sim = sim_fleet("--speedup", "1", instances=3)
-    shared = bursts(sim, redis_url, tmp_path, shared_decisions=True, n=4)
+    shared = bursts(sim, redis_url, tmp_path, shared=True, n=4)
     # One straggler in four bursts is allowed on a machine loaded by other jobs (see
     # test_workers' burst test): a follower that arrives before the first decision is heard.
     stragglers = sum(sum(sorted(collections.Counter(b for b, _ in burst).values())[:-1]) for burst in shared)
     blind = sum(reason != "speculative_hit" for burst in shared for _, reason in burst[1:])
     assert stragglers <= 1 and blind <= 1, shared
-    alone = bursts(sim, redis_url, tmp_path, shared_decisions=False, n=2)
+    alone = bursts(sim, redis_url, tmp_path, shared=False, n=2)
     # Whichever of its requests replica 1 (2) decided first (1, 4, 7 arrive together): nothing
     # had told it where the prefix went.
     assert all(any(burst[i][1] == "no_events" for i in range(r, 9, 3)) for burst in alone for r in (1, 2)), alone
@@ -127,9 +127,9 @@ def test_a_burst_on_a_new_prefix_round_robin_over_3_replicas_lands_on_one_backen
 
 def test_a_dead_replicas_decisions_expire_within_the_ttl(sim_fleet: Any, redis_url: str, tmp_path: Path) -> None:
     """Replica b learns where replica a just sent a new prefix, and forgets it within
-    speculative_ttl_s of a's death; Redis keeps nothing of it (pub/sub stores no message)."""
+    speculative_ttl_s of a's death."""
     sim = sim_fleet("--speedup", "1000", instances=2)
-    config = replica_config(sim, redis_url, shared_decisions=True, events=False)
+    config = replica_config(sim, redis_url, shared=True, events=False)
     config["router"]["weights"] = {"speculative_ttl_s": 1.0}
     a, b = start(config, tmp_path, 2, "ttl")
     try:
@@ -145,13 +145,11 @@ def test_a_dead_replicas_decisions_expire_within_the_ttl(sim_fleet: Any, redis_u
 
         wait_for(lambda: remembered() > 0, "replica b to learn a's decision", timeout=1.0)
         assert b.route(prompt)["backend"] == chosen
-        # How late b heard it is on its /metrics (the lag of every shared decision and load claim).
-        assert 0 < scrape(b.url + "/metrics")["kvrouter_shared_decisions_delay_seconds_count"]
+        # How late b heard it is on its /metrics (the lag of every record of the others).
+        assert 0 < scrape(b.url + "/metrics")["kvrouter_fleet_log_delay_seconds_count"]
         a.proc.popen.send_signal(signal.SIGKILL)
         wait_for(lambda: remembered() == 0, "a's decision to expire in b", timeout=3)
         assert time.monotonic() - sent_at <= 1.0 + 0.5, "b remembered a dead replica's decision past the TTL"
-        namespace = config["index_namespace"]
-        assert not redis.Redis.from_url(redis_url).keys(f"{namespace}:decisions*")
     finally:
         a.proc.stop()
         b.proc.stop()
@@ -208,11 +206,11 @@ def test_requests_reaching_3_replicas_at_once_are_spread_as_one_process_spreads_
     """Three cold prompts, one to each of 3 replicas at the same instant, over 3 idle backends:
     one process decides them one after another and sends one to each backend. Blind replicas
     each pick the least-loaded backend by their own tie-break (all three on one backend in
-    some of the bursts); committed to the shared order (router/replica_sequence.py), a
+    some of the bursts); committed to the fleet-state log in order (router/fleet/stream.py), a
     decision that another replica's overtook is made again with it counted, so every burst
     lands one on each backend, and the replicas' metrics show decisions that moved."""
     sim = sim_fleet("--speedup", "1", instances=3)
-    config = replica_config(sim, redis_url, shared_decisions=True, events=False)
+    config = replica_config(sim, redis_url, shared=True, events=False)
     # No engine scrapes: one taken mid-burst leaves a replica counting the others' requests
     # twice (as unseen by it) until the next, a different view of the next burst's start.
     config["router"]["metrics_scrape_interval_s"] = 3600
@@ -235,83 +233,108 @@ def test_requests_reaching_3_replicas_at_once_are_spread_as_one_process_spreads_
             r.proc.stop()
 
 
-def test_a_reservation_gives_way_to_its_claim_and_one_never_claimed_expires(redis_url: str) -> None:
-    """Another replica's decision counted from the shared order is one request on its backend
-    until the claim that names it arrives (then the claim alone counts it: once, not twice),
-    and a reservation whose claim never comes (its sender died before sending) is gone after
-    the TTL: no phantom load."""
-    from router.load import LoadTracker
-    from router.replica_load import ReplicaLoad
+class _Replica:
+    """One replica's fleet state in this process: its load, its share of kv_aware's decisions,
+    and its side of the stream (a real Redis)."""
+
+    def __init__(self, redis_url: str, namespace: str, name: str, backends: list[str]) -> None:
+        from router.fleet.log import TTL_S, FleetLog, FleetState
+        from router.fleet.stream import FleetStream
+        from router.load import LoadTracker
+        from router.policies.shares import Shares
+
+        self.loads = LoadTracker(backends)
+        self.shares = Shares(64)
+        self.stream = FleetStream(redis_url, namespace, name, 0, self.loads.snapshot, TTL_S)
+        self.log = FleetLog(FleetState({}, {"m": self.shares}), self.loads.snapshot, fleet=self.stream)
+        self.loads.share(self.log)
+        self.task = asyncio.ensure_future(self.log.run_forever(0.05))
+
+    async def stop(self) -> None:
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
+        await self.log.aclose()
+
+
+async def _until(check: Any, what: str, timeout: float = 2.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.005)
+
+
+def test_a_committed_decision_counts_once_and_a_silent_replica_stops_counting(redis_url: str) -> None:
+    """Another replica's decision is one request on its backend whether this replica folds
+    it from its own commit's answer or from its reader, never two; its first token and end
+    move it as they happen; and a replica that goes silent (killed: no withdrawal) stops
+    counting within the TTL: no phantom load."""
+    from router.fleet.log import TTL_S, Decided
 
     async def main() -> None:
-        tracker = LoadTracker(["a", "b"])
-        tracker.share(None, 0)
-        load = ReplicaLoad(redis_url, f"res-{random.randrange(1 << 30)}", "me", 0, tracker, interval_s=0.05, ttl_s=0.5)
+        namespace = f"fl-{random.randrange(1 << 30)}"
+        a, b = (_Replica(redis_url, namespace, name, ["x", "y"]) for name in ("a", "b"))
         try:
-            other = "other/0.1"
-            load.reserve(other, 7, "a", 300, 19)
-            assert (tracker.get("a").in_flight, tracker.get("a").prefill_tokens) == (1, 300)
-            load.on_claims(other, time.time(), [(1, "a", 1, 300, 19)])
-            load.on_sent(other, [7])
-            assert (tracker.get("a").in_flight, tracker.get("a").prefill_tokens) == (1, 300)
-            assert load.known_at(other, 7) is not None and load.known_at(other, 8) is None
-            load.reserve(other, 8, "b", 100, 5)
-            assert tracker.get("b").in_flight == 1
-            await load.round()
-            assert tracker.get("b").in_flight == 1, "a live reservation dropped before the TTL"
-            await asyncio.sleep(0.6)
-            await load.round()
-            assert tracker.get("b").in_flight == 0 and tracker.get("b").prefill_tokens == 0
+            await asyncio.sleep(0.3)  # both replicas' first snapshots
+            record = Decided("m", "x", a.loads.preview("x", [1, 2], 300), [1, 2])
+            assert await a.stream.order(lambda: record, lambda: None)
+            ticket = a.loads.acquire("x", [1, 2], 300, "m", announced=True)
+            await _until(lambda: b.loads.get("x").in_flight == 1, "b to count a's committed decision")
+            b_record = Decided("m", "y", b.loads.preview("y", [7], 16), [7])
+            assert await b.stream.order(lambda: b_record, lambda: None)  # folds whatever came since: nothing twice
+            b.loads.acquire("y", [7], 16, "m", announced=True).release()
+            await asyncio.sleep(0.6)  # a's snapshots, which include the request, arrive in between
+            assert (b.loads.get("x").in_flight, b.loads.get("x").prefill_tokens) == (1, 300)
+            ticket.first_token()
+            await _until(lambda: (b.loads.get("x").prefill_tokens, b.loads.get("x").decode_seqs) == (0, 1),
+                         "b to see a's first token")
+            a.loads.acquire("x", [3], 16, "m")  # held when a dies
+            await _until(lambda: b.loads.get("x").in_flight == 2, "b to count a's second request")
+            a.task.cancel()  # a is silent from now on, as if killed
+            silent = time.monotonic()
+            await _until(lambda: b.loads.get("x").in_flight == 0, "a's load to expire", timeout=3 * TTL_S)
+            assert time.monotonic() - silent <= TTL_S + 0.5
+            assert b.loads.get("x").decode_seqs == 0 and b.loads.get("x").prefill_tokens == 0
         finally:
-            await load.aclose()
+            await a.stop()
+            await b.stop()
 
     asyncio.run(main())
 
 
 def test_a_replica_weighs_the_fleets_request_share_as_one_process_does(redis_url: str) -> None:
     """kv_aware's share cap weighs the last ~``share_window`` decisions of the fleet. A replica
-    that decides a third of them learns the others' from their claims: each request another
+    that decides a third of them folds the others' from the stream: each request another
     replica sent counts once (its first token and its end count nothing), so the replica sees
-    the shares one process deciding every request sees, and moves a cheap request off a
-    backend over its share exactly when that process would."""
-    from router.config import KvAwareWeights
-    from router.load import LoadTracker
-    from router.policies.base import Candidate, RequestCtx
-    from router.policies.kv_aware import KvAware
-    from router.replica_load import ReplicaLoad
+    the shares one process deciding every request sees."""
+    from router.policies.shares import Shares
 
     backends = ["a", "b", "c"]
     rng = random.Random(5)
     sent = [rng.choice(["a", "a", "a", "b", "c"]) for _ in range(90)]  # "a" takes ~60%
 
-    def policy() -> KvAware:
-        return KvAware(KvAwareWeights(share_cap=1.2, share_window=64), max_blocks=1 << 16)
-
-    def commit(p: KvAware, backend: str) -> None:
-        keys = [rng.randrange(1 << 60)]
-        p.commit(RequestCtx(model="m", num_tokens=16, block_size=16, keys=keys), p.choose(
-            RequestCtx(model="m", num_tokens=16, block_size=16, keys=keys),
-            [Candidate(b, b == backend, LoadTracker(backends).get(b)) for b in backends]))
-
-    async def main() -> tuple[KvAware, KvAware]:
-        one, replica = policy(), policy()
-        tracker = LoadTracker(backends)
-        tracker.share(None, 0)
-        load = ReplicaLoad(redis_url, f"share-{random.randrange(1 << 30)}", "me", 0, tracker, interval_s=0.05, ttl_s=5.0)
-        load.on_start = replica.count
+    async def main() -> tuple[Shares, Shares]:
+        one = Shares(64)
+        namespace = f"share-{random.randrange(1 << 30)}"
+        mine, other = (_Replica(redis_url, namespace, name, backends) for name in ("me", "other"))
         try:
+            await asyncio.sleep(0.3)
             for i, backend in enumerate(sent):
-                commit(one, backend)
+                one.count(backend)
                 if i % 3 == 0:
-                    commit(replica, backend)
-                else:  # another replica sent it: its claims (sent, first token, end) arrive
-                    load.on_claims("other/0.1", time.time(), [(3 * i, backend, 1, 16, 1), (3 * i + 1, backend, 0, -16, 0),
-                                                             (3 * i + 2, backend, -1, 0, -1)])
+                    mine.loads.acquire(backend, [i], 16, "m").release()
+                    mine.shares.count(backend)
+                else:
+                    ticket = other.loads.acquire(backend, [i], 16, "m")
+                    ticket.first_token()
+                    ticket.release()
+                    seen = mine.shares.total
+                    await _until(lambda: mine.shares.total > seen, "this replica to fold the other's decision")
         finally:
-            await load.aclose()
-        return one, replica
+            await mine.stop()
+            await other.stop()
+        return one, mine.shares
 
     one, replica = asyncio.run(main())
     for b in backends:
-        assert replica._recent.get(b, 0.0) / replica._recent_sum == pytest.approx(one._recent[b] / one._recent_sum)
-    assert one._recent["a"] > 1.2 * one._recent_sum / 3  # "a" is over the cap: the test can fail
+        assert replica.of(b) / replica.total == pytest.approx(one.of(b) / one.total)
+    assert one.of("a") > 1.2 * one.total / 3  # "a" is over the cap: the test can fail

@@ -397,13 +397,11 @@ def test_metrics_sum_every_worker_and_a_dead_worker_is_restarted(tmp_path: Path)
             router.stop()
 
 
-def replica_pair(engine: SlowStreamEngine, redis_url: str, tmp: Path, *, interval_s: float,
-                 ttl_s: float) -> tuple[Router, Router]:
-    """Two one-process replicas in front of ``engine``, sharing load through ``redis_url``."""
+def replica_pair(engine: SlowStreamEngine, redis_url: str, tmp: Path) -> tuple[Router, Router]:
+    """Two one-process replicas in front of ``engine``, sharing their state through ``redis_url``."""
     config = {"models": [model({"name": "slow", "url": engine.url})], "index": "memory",
               "index_namespace": f"workers-{random.randrange(1 << 30)}",
-              "router": {"workers": 1, "shared_load": redis_url, "shared_load_interval_s": interval_s,
-                         "shared_load_ttl_s": ttl_s, "health_interval_s": 0.5}}
+              "router": {"workers": 1, "fleet_state": redis_url, "health_interval_s": 0.5}}
     return Router(config, tmp, "a", workers=1), Router(config, tmp, "b", workers=1)
 
 
@@ -411,7 +409,7 @@ def test_a_killed_replicas_load_expires_within_the_ttl(redis_url: str, tmp_path:
     """Two replicas share load through Redis; SIGKILL the one holding streams: the other
     counts them while it lives, and none of them once its tickets expire."""
     with SlowStreamEngine(events=200, gap_s=0.1) as engine:
-        a, b = replica_pair(engine, redis_url, tmp_path, interval_s=0.1, ttl_s=1.0)
+        a, b = replica_pair(engine, redis_url, tmp_path)
         try:
             readers = [StreamReader(a.url) for _ in range(4)]
             for r in readers:
@@ -429,102 +427,106 @@ def test_a_killed_replicas_load_expires_within_the_ttl(redis_url: str, tmp_path:
 
 
 def test_a_replica_counts_anothers_request_at_once_and_once(redis_url: str, tmp_path: Path) -> None:
-    """Claims (router/replica_load.py): replica b counts a stream replica a just routed
-    within a third of a's 3 s load interval, still counts it once after a's vectors
-    include it, and stops counting it within a fraction of the interval once it ended."""
-    with SlowStreamEngine(events=110, gap_s=0.1) as engine:
-        a, b = replica_pair(engine, redis_url, tmp_path, interval_s=3.0, ttl_s=8.0)
+    """The fleet-state log between replicas: replica b counts a stream replica a just routed
+    within a fraction of a snapshot interval, still counts it once after several of a's
+    snapshots (which include it), and stops counting it as soon as it ends."""
+    with SlowStreamEngine(events=30, gap_s=0.1) as engine:
+        a, b = replica_pair(engine, redis_url, tmp_path)
 
         def counted() -> int:
             return b.backends()["backends"][0]["load"]["in_flight"]
 
         try:
-            time.sleep(0.5)  # past both replicas' first load round
+            time.sleep(0.5)  # past both replicas' first snapshots
             reader = StreamReader(a.url)
             reader.start()
             assert reader.started.wait(20), a.log()
-            wait_for(lambda: counted() == 1, "replica b to count a's stream from its claim", timeout=1.0)
-            time.sleep(6.5)  # two of a's load rounds: its vector now includes the stream
-            assert counted() == 1, "a claim counted again on top of the vector that covers it"
+            wait_for(lambda: counted() == 1, "replica b to count a's stream from its decision", timeout=1.0)
+            for _ in range(8):  # about four of a's snapshots
+                time.sleep(0.25)
+                assert counted() == 1, "a decision counted again on top of the snapshot that covers it"
             reader.join(20)
-            wait_for(lambda: counted() == 0, "a's ended stream to leave b's count from its pushed end", timeout=1.2)
+            wait_for(lambda: counted() == 0, "a's ended stream to leave b's count", timeout=0.5)
         finally:
             a.stop()
             b.stop()
 
 
-def test_decision_ring_replays_across_its_end_and_a_reader_a_ring_behind_skips(tmp_path: Path) -> None:
-    """The ring under the shared prefix memory, in one process: records that straddle the
-    ring's end replay whole, and a reader a whole ring behind jumps to the writer instead of
-    replaying overwritten words."""
-    from router.shared_prefix import SharedPrefixIndex
-    from router.shared_state import RING_WORDS, Segment
+def _ring_pair(tmp_path: Path, ring_bytes: int = 1 << 20) -> tuple[Any, Any, Any]:
+    from router.fleet.ring import Ring
 
-    seg = Segment.create(tmp_path / "shared", 2)
-    writer = SharedPrefixIndex(60.0, 1_000_000, seg, 0, seg.slot)
-    reader = SharedPrefixIndex(60.0, 1_000_000, seg, 1, seg.slot)
-    for idx in (writer, reader):
-        idx.learn(["a", "b"])
-    import numpy as np
+    made = Ring.create(tmp_path / "fleet", 2, ring_bytes)
+    return made, Ring.attach(tmp_path / "fleet", 0), Ring.attach(tmp_path / "fleet", 1)
 
+
+def test_the_ring_folds_records_across_its_end_and_a_reader_a_ring_behind_skips(tmp_path: Path) -> None:
+    """The fleet-state ring between two workers: records that straddle the ring's end fold
+    whole (every decision's prefix reaches the other worker's memory), and a reader a whole
+    ring behind forgets the writer's load instead of folding overwritten bytes."""
+    from router.fleet.log import Decided, FleetLog, FleetState, Snapshot
+    from router.policies.approx_index import ApproxPrefixIndex, stored_keys
+
+    RING_BYTES = 1 << 16
+    _, w0, w1 = _ring_pair(tmp_path, RING_BYTES)
+    memories = [ApproxPrefixIndex(60.0, 1_000_000) for _ in range(2)]
+    writer = FleetLog(FleetState({"m": memories[0]}, {}), lambda: {}, host=w0)
+    reader = FleetState({"m": memories[1]}, {})
     rng = random.Random(5)
-    keygen = np.random.default_rng(5)
-    chains = [keygen.integers(0, 1 << 63, size=rng.randrange(1, 1600)).tolist() for _ in range(3000)]
-    for i, keys in enumerate(chains):  # twice around the ring, the reader keeping up
-        writer.insert(keys, "ab"[i % 2])
+    chains = [[rng.getrandbits(64) for _ in range(rng.randrange(1, 400))] for _ in range(1500)]
+    writer.append(Snapshot({"a": (0, 0, 0, 0, 0)}))
+    for i, keys in enumerate(chains):  # past the ring's end twice, the reader keeping up
+        memories[0].insert(keys, "ab"[i % 2])
+        writer.append(Decided("m", "ab"[i % 2], (1, 16, 0, 1, 1), stored_keys(keys)))
         if i % 7 == 0:
-            reader.catch_up()
-    assert seg.uwords[seg.ring(0)] > 2 * RING_WORDS
+            w1.catch_up(reader)
+    w1.catch_up(reader)
+    assert w0.words[w0._at(0, 2)] > 2 * RING_BYTES
+    assert reader.remote["a"][0] + reader.remote["b"][0] == len(chains)
     for i, keys in enumerate(chains[-200:], len(chains) - 200):
-        assert reader.match(keys) == writer.match(keys) == {"ab"[i % 2]: len(keys)}
-    late = SharedPrefixIndex(60.0, 1_000_000, seg, 1, seg.slot)
-    late.learn(["a", "b"])
-    late._read[0] -= 2 * RING_WORDS  # as if it had stalled while the writer went twice around
+        assert memories[1].match(keys) == memories[0].match(keys) == {"ab"[i % 2]: len(keys)}
+    seen_generation, pos = w1._seen[0]
+    w1._seen[0] = (seen_generation, pos - 2 * RING_BYTES)  # as if it had stalled while the writer went twice around
     fresh = [rng.getrandbits(64) for _ in range(40)]
-    writer.insert(fresh, "a")
-    late.catch_up()
-    assert late.match(fresh) == {}, "replayed words the writer had overwritten"
-    writer.insert(fresh, "b")
-    assert late.match(fresh) == {"b": 40}
+    writer.append(Decided("m", "a", (1, 16, 0, 1, 1), stored_keys(fresh)))
+    w1.catch_up(reader)
+    assert reader.remote["a"][0] == reader.remote["b"][0] == 0, "kept load it could no longer follow"
+    writer.append(Decided("m", "b", (1, 16, 0, 1, 1), stored_keys(fresh)))
+    w1.catch_up(reader)
+    assert memories[1].match(fresh)["b"] == 40
 
 
 def test_every_worker_counts_every_workers_requests_in_the_request_share(tmp_path: Path) -> None:
     """kv_aware's share cap weighs the last ~``share_window`` decisions of the whole router: a
-    worker reads the requests the other workers sent from their rows of the shared segment, so
-    its shares are those one process deciding every request would see; a restarted worker
-    (its row zeroed) counts nothing twice, and a first read counts no history."""
-    from router.config import KvAwareWeights
+    worker folds the decisions the other workers append to their rings, so its shares are
+    those one process deciding every request would see; and a worker that died (its ring's
+    generation bumped) leaves no load behind."""
+    from router.fleet.log import FleetLog, FleetState
     from router.load import LoadTracker
-    from router.policies.kv_aware import KvAware
-    from router.shared_state import Segment
+    from router.policies.shares import Shares
 
-    seg = Segment.create(tmp_path / "shared", 2)
+    made, *rings = _ring_pair(tmp_path)
     backends = ["a", "b", "c"]
+    one, shares = Shares(64), [Shares(64), Shares(64)]
     trackers = [LoadTracker(backends) for _ in range(2)]
     for w, t in enumerate(trackers):
-        t.share(seg, w)
-    one = KvAware(KvAwareWeights(share_cap=1.2, share_window=64), max_blocks=1 << 16)
-    mine = KvAware(KvAwareWeights(share_cap=1.2, share_window=64), max_blocks=1 << 16)
-    trackers[0].acquire("a", [1], 16).release()  # before worker 1's first read: history, not counted
-    assert trackers[1].sent_by_other_workers() == {}
+        t.share(FleetLog(FleetState({}, {"m": shares[w]}), t.snapshot, host=rings[w]))
     rng = random.Random(3)
+    held = []
     for i in range(120):
         backend = rng.choice(["a", "a", "a", "b", "c"])
         worker = i % 2
-        trackers[worker].acquire(backend, [i], 16).release()
+        ticket = trackers[worker].acquire(backend, [i], 16, "m")
+        shares[worker].count(backend)
         one.count(backend)
-        if worker == 1:
-            mine.count(backend)
-        trackers[1]._others_at = -1.0  # read the other worker's row now (not OTHERS_TTL_S later)
-        for b, n in trackers[1].sent_by_other_workers().items():
-            for _ in range(n):
-                mine.count(b)
+        (held.append(ticket) if worker == 0 and i % 10 == 0 else ticket.release())
+        trackers[1 - worker].fleet.catch_up()  # as the next decision there does
     for b in backends:
-        assert mine._recent[b] / mine._recent_sum == pytest.approx(one._recent[b] / one._recent_sum)
-    assert one._recent["a"] > 1.2 * one._recent_sum / 3  # "a" is over the cap: the test can fail
-    seg.zero_worker(0)  # worker 0 restarted: its count starts again from 0
-    trackers[1]._others_at = -1.0
-    assert trackers[1].sent_by_other_workers() == {}
+        for s in shares:
+            assert s.of(b) / s.total == pytest.approx(one.of(b) / one.total)
+    assert one.of("a") > 1.2 * one.total / 3  # "a" is over the cap: the test can fail
+    assert sum(trackers[1].get(b).in_flight for b in backends) == len(held)
+    made.new_generation(0)  # the supervisor: worker 0 died with its requests
+    assert sum(trackers[1].get(b).in_flight for b in backends) == 0
 
 
 def test_a_worker_that_cannot_start_stops_the_supervisor_with_its_status(tmp_path: Path) -> None:

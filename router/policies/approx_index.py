@@ -44,6 +44,12 @@ def _positions(n: int) -> list[int]:
     return out
 
 
+def stored_keys(keys: list[int]) -> list[int]:
+    """The keys of a chain at the positions :meth:`ApproxPrefixIndex.insert` stores (what a
+    decision's record carries to the other processes' memories)."""
+    return [keys[p] for p in _positions(len(keys))] if keys else []
+
+
 class ApproxPrefixIndex:
     def __init__(self, ttl_s: float, max_blocks: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.ttl_s = ttl_s
@@ -57,11 +63,11 @@ class ApproxPrefixIndex:
     def insert(self, keys: list[int], backend: str) -> None:
         """Remember that ``backend`` was just sent the chain ``keys`` (only its stored positions are kept)."""
         if keys:  # a prompt under one block has none (_positions(0) is [0])
-            self.insert_stored([keys[p] for p in _positions(len(keys))], backend)
+            self.insert_stored(stored_keys(keys), backend)
 
     def insert_stored(self, stored: list[int], backend: str) -> None:
         """:meth:`insert` for a chain given by its keys at the stored positions only (another
-        worker's insert replayed: router/shared_prefix.py)."""
+        process's decision, folded from the fleet-state log: :mod:`router.fleet.log`)."""
         if self.ttl_s <= 0 or not stored:
             return
         now = self._clock()

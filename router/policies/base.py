@@ -17,9 +17,10 @@ from __future__ import annotations
 import random
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from router.load import BackendLoad
+if TYPE_CHECKING:
+    from router.load import BackendLoad, LoadView
 
 UNROUTABLE = sys.float_info.max
 
@@ -42,7 +43,7 @@ class Candidate:
 
     backend: str
     healthy: bool
-    load: BackendLoad
+    load: BackendLoad | LoadView
     matched_blocks: int = 0
     weighted_blocks: float = 0.0
     speculative_blocks: int = 0

@@ -78,6 +78,7 @@ import zlib
 from router.config import KvAwareWeights
 from router.policies.approx_index import ApproxPrefixIndex
 from router.policies.base import Candidate, Decision, RequestCtx, healthy, mark_unroutable
+from router.policies.shares import Shares
 
 _M64 = (1 << 64) - 1
 
@@ -85,17 +86,16 @@ _M64 = (1 << 64) - 1
 class KvAware:
     name = "kv_aware"
 
-    def __init__(self, weights: KvAwareWeights, max_blocks: int, rng: random.Random | None = None) -> None:
+    def __init__(self, weights: KvAwareWeights, memory: ApproxPrefixIndex, shares: Shares,
+                 rng: random.Random | None = None) -> None:
+        """``memory``: where the router sent prefixes lately (speculative insertion), and
+        ``shares``: the model's recent decisions per backend; both also hold the other
+        router processes' decisions (:mod:`router.fleet.log`)."""
         self.w = weights
-        self.speculative = ApproxPrefixIndex(weights.speculative_ttl_s, max_blocks)
+        self.speculative = memory
+        self.shares = shares
         self._rng = rng or random.Random()
         self._salts: dict[str, int] = {}
-        self._recent: dict[str, float] = {}
-        """Decisions per backend, each weighed ``_inc`` when made; ``_inc`` grows by
-        ``1 / (1 - 1/share_window)`` a decision, so the shares decay exponentially
-        without touching every backend on every decision."""
-        self._recent_sum = 0.0
-        self._inc = 1.0
 
     def _tie(self, backend: str, key: int) -> int:
         """A tie-break rank every process computes alike (``hash(str)`` is salted per
@@ -145,32 +145,17 @@ class KvAware:
 
     def commit(self, ctx: RequestCtx, decision: Decision) -> None:
         self.remember(ctx.keys, decision.backend)
-        self.count(decision.backend)
-
-    def count(self, backend: str) -> None:
-        """One request sent to ``backend``, in the share the cap weighs: by this process
-        (:meth:`commit`), or by another worker or replica of the router
-        (:meth:`router.core.Router._sent_elsewhere`), so that every process weighs the router's
-        share as one process does. Counting only its own third of the decisions, a replica saw
-        shares over the cap that one process did not, and moved requests off their cache
-        (synthetic: cached ratio 0.60 against 0.67)."""
-        if self.w.share_cap <= 0:
-            return
-        self._inc /= 1.0 - 1.0 / self.w.share_window
-        if self._inc > 1e200:  # rescale long before floats overflow
-            self._recent = {b: v / self._inc for b, v in self._recent.items()}
-            self._recent_sum /= self._inc
-            self._inc = 1.0
-        self._recent[backend] = self._recent.get(backend, 0.0) + self._inc
-        self._recent_sum += self._inc
+        if self.w.share_cap > 0:
+            self.shares.count(decision.backend)
 
     def _capped(self, best: Candidate, pool: list[Candidate], bs: int) -> Candidate | None:
-        fair = self._recent_sum / len(pool)
-        if len(pool) < 2 or self._recent.get(best.backend, 0.0) <= self.w.share_cap * fair:
+        shares = self.shares
+        fair = shares.total / len(pool)
+        if len(pool) < 2 or shares.of(best.backend) <= self.w.share_cap * fair:
             return None
         if sum(c.load.effective_in_flight() for c in pool) < len(pool):
             return None
-        under = [c for c in pool if self._recent.get(c.backend, 0.0) < fair]
+        under = [c for c in pool if shares.of(c.backend) < fair]
         if not under:
             return None
         alt = min(under, key=lambda c: c.score)

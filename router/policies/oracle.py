@@ -36,9 +36,11 @@ import random
 from typing import Any
 
 from router.config import KvAwareWeights
+from router.policies.approx_index import ApproxPrefixIndex
 from router.policies.base import UNROUTABLE, Candidate, Decision, RequestCtx, by_score, healthy, mark_unroutable
 from router.policies.engine_state import EngineState, SideChannel
 from router.policies.kv_aware import KvAware
+from router.policies.shares import Shares
 
 NO_PREDICTION = UNROUTABLE / 2
 """Score of a routable backend whose state could not be had (worse than any prediction)."""
@@ -101,11 +103,11 @@ class Oracle(_ReadsEngines):
 class KvAwareExact(_ReadsEngines, KvAware):
     """kv_aware's cost with the engine's exact load, its exact cache view, or both."""
 
-    def __init__(self, weights: KvAwareWeights, max_blocks: int, channel: SideChannel, *, load: bool, cache: bool,
-                 rng: random.Random | None = None) -> None:
+    def __init__(self, weights: KvAwareWeights, memory: ApproxPrefixIndex, shares: Shares, channel: SideChannel, *,
+                 load: bool, cache: bool, rng: random.Random | None = None) -> None:
         if not (load or cache):
             raise ValueError("KvAwareExact needs exact load, exact cache or both")
-        KvAware.__init__(self, weights, max_blocks, rng)
+        KvAware.__init__(self, weights, memory, shares, rng)
         _ReadsEngines.__init__(self, channel)
         self.exact_load = load
         self.exact_cache = cache

@@ -26,8 +26,9 @@ MIN_MATCH_FRACTION = 0.5
 class PrefixApprox:
     name = "prefix_approx"
 
-    def __init__(self, ttl_s: float, max_blocks: int, weights: KvAwareWeights, rng: random.Random | None = None) -> None:
-        self.tree = ApproxPrefixIndex(ttl_s, max_blocks)
+    def __init__(self, memory: ApproxPrefixIndex, weights: KvAwareWeights, rng: random.Random | None = None) -> None:
+        """``memory``: where the router sent each prefix (every router process's decisions)."""
+        self.tree = memory
         self.w = weights
         self._rng = rng or random.Random()
 

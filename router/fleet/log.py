@@ -1,0 +1,286 @@
+"""The fleet-state log: what every router process did, in one order, folded alike by all.
+
+The workers of ``serve --workers N`` and replicas on other hosts each decide alone, yet each
+must weigh every process's requests, follow every process's recent decisions (a burst on a
+new prefix, spread over processes, lands where its first request went), weigh the fleet's
+request share and agree on health. One mechanism carries all of it, as Dynamo's router
+replicas share one active-sequence event stream:
+
+- each process appends typed records of what it did: a request :class:`Decided` (backend,
+  prefix keys, the load it adds), its :class:`FirstToken`, its :class:`Ended`, a deferred
+  request's exact figures (:class:`Settled`), a health :class:`Verdict`, the engines'
+  :class:`Scraped` gauges, and every :data:`SNAPSHOT_S` a :class:`Snapshot` of its whole
+  load, which is also its heartbeat;
+- every process folds the others' records into the same :class:`FleetState`: load per
+  backend, the policies' prefix memory and request share, health.
+
+Records carry load *changes* (:data:`Load`), so folding is adding; a snapshot sets a
+sender's counters outright. A sender's records keep their order on every transport, so a
+snapshot followed by changes is exact; records lost (a reader a ring behind, Redis
+unreachable) cost at most one snapshot interval of error, and a reader that joins mid-log
+counts a sender's load from that sender's next snapshot. A sender silent for ``ttl_s`` (it
+died, or is cut off) stops counting: no phantom load.
+
+Ordering that matters comes from the log's own order: replicas commit kv_aware's decisions
+only if no other process decided after the last entry they folded
+(:meth:`router.fleet.stream.FleetStream.order`). Transports: :mod:`router.fleet.ring` between
+a host's workers, :mod:`router.fleet.stream` between replicas; verdicts and scrapes stay on
+the host (each replica checks its own engines).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Union
+
+import msgspec
+
+if TYPE_CHECKING:
+    from router.fleet.ring import Ring
+    from router.fleet.stream import FleetStream
+    from router.policies.approx_index import ApproxPrefixIndex
+    from router.policies.shares import Shares
+
+log = logging.getLogger(__name__)
+
+Load = tuple[int, int, int, int, int]
+"""Changes of (or, in a snapshot, the values of) one backend's :data:`LOAD_FIELDS`."""
+LOAD_FIELDS = ("in_flight", "prefill_tokens", "decode_seqs", "active_blocks", "context_blocks")
+SNAPSHOT_S = 0.25
+"""How often a process appends its whole load (the heartbeat that keeps it counted)."""
+TTL_S = 1.0
+"""A sender silent this long stops counting (four snapshots missed)."""
+
+
+class Decided(msgspec.Struct, tag=1, array_like=True):
+    model: str
+    backend: str
+    load: Load
+    keys: list[int]
+    """The chain's block keys at the positions the prefix memory stores
+    (:func:`router.policies.approx_index.stored_keys`)."""
+
+
+class FirstToken(msgspec.Struct, tag=2, array_like=True):
+    backend: str
+    load: Load
+
+
+class Ended(msgspec.Struct, tag=3, array_like=True):
+    backend: str
+    load: Load
+
+
+class Settled(msgspec.Struct, tag=4, array_like=True):
+    """A deferred request's estimate replaced by its exact keys and prefill tokens."""
+
+    model: str
+    backend: str
+    load: Load
+    keys: list[int]
+
+
+class Snapshot(msgspec.Struct, tag=5, array_like=True):
+    loads: dict[str, Load]
+
+
+class Verdict(msgspec.Struct, tag=6, array_like=True):
+    backend: str
+    healthy: bool
+    refused: bool = False
+
+
+class Scraped(msgspec.Struct, tag=7, array_like=True):
+    """The health leader's scrape of one engine's gauges: waiting, running, KV usage, the
+    requests beyond the router's own count, and when (None: the scrape failed)."""
+
+    backend: str
+    waiting: float | None
+    running: float | None
+    usage: float | None
+    unseen: float
+    at: float | None
+
+
+Record = Union[Decided, FirstToken, Ended, Settled, Snapshot, Verdict, Scraped]
+
+encode = msgspec.msgpack.Encoder().encode
+_decoder = msgspec.msgpack.Decoder(list[Record])
+
+
+def decode(data: bytes) -> list[Record] | None:
+    """A batch of records, or None when ``data`` is not one (counted by the transport)."""
+    try:
+        return _decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+@dataclass(slots=True)
+class _Sender:
+    heard: float
+    loads: dict[str, list[int]] | None = None
+    """Per backend, the sender's counters; None until its first snapshot."""
+
+
+class FleetState:
+    """The other processes' records, folded: :attr:`remote` load per backend, and each
+    model's prefix memory and request share (the same objects the policies were built with)."""
+
+    def __init__(self, memories: dict[str, ApproxPrefixIndex], shares: dict[str, Shares], ttl_s: float = TTL_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.memories = memories
+        self.shares = shares
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._senders: dict[str, _Sender] = {}
+        self.remote: dict[str, list[int]] = {}
+        """Per backend, the counters summed over every other live sender."""
+        self.on_verdict: Callable[[Verdict], None] | None = None
+        self.on_scraped: Callable[[Scraped], None] | None = None
+
+    def fold(self, sender: str, records: list[Record], age_s: float = 0.0) -> bool:
+        """Apply ``sender``'s records, in order; returns whether one was a decision.
+        ``age_s``: how old they are (a prefix older than the memory's TTL is not learned)."""
+        s = self._senders.get(sender)
+        if s is None:
+            s = self._senders[sender] = _Sender(0.0)
+        s.heard = self._clock()
+        decided = False
+        for r in records:
+            if isinstance(r, (Decided, Settled)):
+                if isinstance(r, Decided):
+                    decided = True
+                    shares = self.shares.get(r.model)
+                    if shares is not None:
+                        shares.count(r.backend)
+                memory = self.memories.get(r.model)
+                if memory is not None and r.keys and age_s < memory.ttl_s:
+                    memory.insert_stored(r.keys, r.backend)
+                self._add(s, r.backend, r.load)
+            elif isinstance(r, (FirstToken, Ended)):
+                self._add(s, r.backend, r.load)
+            elif isinstance(r, Snapshot):
+                self._set(s, r.loads)
+            elif isinstance(r, Verdict):
+                if self.on_verdict is not None:
+                    self.on_verdict(r)
+            elif self.on_scraped is not None:
+                self.on_scraped(r)
+        return decided
+
+    def _add(self, s: _Sender, backend: str, d: Load) -> None:
+        if s.loads is None:
+            return  # joined after this change: its sender's next snapshot includes it
+        mine = s.loads.get(backend)
+        if mine is None:
+            mine = s.loads[backend] = [0, 0, 0, 0, 0]
+        total = self.remote.get(backend)
+        if total is None:
+            total = self.remote[backend] = [0, 0, 0, 0, 0]
+        for i in range(5):
+            mine[i] += d[i]
+            total[i] += d[i]
+
+    def _set(self, s: _Sender, loads: dict[str, Load]) -> None:
+        self._withdraw(s)
+        s.loads = {b: list(v) for b, v in loads.items()}
+        for b, v in s.loads.items():
+            total = self.remote.setdefault(b, [0, 0, 0, 0, 0])
+            for i in range(5):
+                total[i] += v[i]
+
+    def _withdraw(self, s: _Sender) -> None:
+        for b, v in (s.loads or {}).items():
+            total = self.remote[b]
+            for i in range(5):
+                total[i] -= v[i]
+
+    def begin(self, sender: str) -> None:
+        """``sender``'s records will be folded from its first on: its load counts from
+        there, without waiting for a snapshot (a ring read from the worker's start)."""
+        s = self._senders.get(sender)
+        if s is None:
+            self._senders[sender] = _Sender(self._clock(), {})
+        elif s.loads is None:
+            s.loads = {}
+
+    def drop(self, sender: str) -> None:
+        """Forget a sender's load now (it restarted, or records of it were lost)."""
+        s = self._senders.pop(sender, None)
+        if s is not None:
+            self._withdraw(s)
+
+    def expire(self) -> int:
+        """Drop the senders silent for ``ttl_s``; returns how many."""
+        late = self._clock() - self.ttl_s
+        gone = [name for name, s in self._senders.items() if s.heard < late]
+        for name in gone:
+            self.drop(name)
+        return len(gone)
+
+    def heard(self, sender: str) -> float | None:
+        """When ``sender``'s last record was folded (``clock`` time), or None."""
+        s = self._senders.get(sender)
+        return None if s is None else s.heard
+
+    def by_sender(self, backend: str) -> dict[str, list[int]]:
+        """Each live sender's counters for ``backend`` (``/debug/backends``)."""
+        return {name: s.loads.get(backend, [0] * 5) for name, s in self._senders.items() if s.loads is not None}
+
+
+class FleetLog:
+    """This process's side: appends its records to every transport, folds the others'
+    into :attr:`state`, and keeps its snapshots (heartbeats) and the senders' expiry going."""
+
+    def __init__(self, state: FleetState, snapshot: Callable[[], dict[str, Load]], host: Ring | None = None,
+                 fleet: FleetStream | None = None) -> None:
+        self.state = state
+        self._snapshot = snapshot
+        self.host = host
+        """Between the workers of this host."""
+        self.fleet = fleet
+        """Between replicas."""
+
+    def append(self, record: Record, *, host_only: bool = False, to_fleet: bool = True) -> None:
+        """``host_only``: a verdict or a scrape (each replica checks its own engines);
+        ``to_fleet=False``: the record reached the replicas already (a committed decision)."""
+        records = [record]
+        if self.host is not None:
+            self.host.append(encode(records))
+        if self.fleet is not None and to_fleet and not host_only:
+            self.fleet.append(records)
+
+    def catch_up(self) -> None:
+        """Fold what the host's other workers appended since the last look (the stream is
+        folded as it arrives)."""
+        if self.host is not None:
+            self.host.catch_up(self.state)
+
+    async def run_forever(self, follow_s: float) -> None:
+        tasks = [asyncio.create_task(self.fleet.run(self.state))] if self.fleet is not None else []
+        try:
+            last = 0.0
+            while True:
+                now = time.monotonic()
+                if now - last >= SNAPSHOT_S:
+                    last = now
+                    self.append(Snapshot(self._snapshot()))
+                    if self.state.expire():
+                        log.info("fleet state: a router process went silent; its load no longer counts")
+                self.catch_up()
+                await asyncio.sleep(min(follow_s, SNAPSHOT_S))
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def aclose(self) -> None:
+        """The stream withdraws this process's load; a ring's mapping stays until the process
+        exits (a request still ending may append)."""
+        if self.fleet is not None:
+            await self.fleet.aclose()

@@ -1,0 +1,153 @@
+"""The fleet-state log between the workers of one host: one ring of bytes per worker.
+
+One memory-mapped file (in the supervisor's run directory, on ``/dev/shm`` when there is
+one) holds a header of 64-bit words (magic, layout, worker count, worker restarts), per
+worker its *generation*, its *start* and its *cursor*, then per worker a ring of
+:data:`RING_BYTES`. A worker appends each batch of records (4-byte length, then msgpack)
+at its cursor and then advances the cursor; the other workers fold what lies between their
+last position and the cursor (:meth:`Ring.catch_up`).
+
+Why no lock: every ring has one writer, the cursor is one aligned 8-byte store made after
+the bytes it covers, and readers only read. A reader a whole ring behind (a worker stalled
+while the others sent ~10,000 requests) skips to the cursor and forgets that sender's load
+until its next snapshot (:mod:`router.fleet.log`).
+
+The supervisor bumps a worker's generation when the worker dies (its requests died with
+it: readers drop its load at once) and again when it starts another, recording where the
+new one's records start.
+
+Why an mmap'd file and not :class:`multiprocessing.shared_memory.SharedMemory`: on Python
+3.11 every process that attaches a ``SharedMemory`` registers it with its resource tracker,
+which unlinks it when that process exits, so the first worker to die would take it from all
+the others. A file in the run directory has one owner (the supervisor removes the directory).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from pathlib import Path
+
+from router.fleet.log import FleetState, decode
+
+MAGIC = 0x6B76726C6F677269  # "kvrlogri"
+LAYOUT = 1
+H_MAGIC, H_LAYOUT, H_WORKERS, H_RESTARTS, H_RING_BYTES = range(5)
+HEADER_WORDS = 8
+W_GENERATION, W_START, W_CURSOR = range(3)
+WORKER_WORDS = 4
+RING_BYTES = 1 << 20
+
+
+def sender(worker: int) -> str:
+    """A worker's name in the fold (its records reach the other workers only through its ring)."""
+    return f"w{worker}"
+
+
+class Ring:
+    """The shared file, mapped: ``create`` (the supervisor) sizes it; ``attach`` (a worker) maps it."""
+
+    def __init__(self, path: Path, fd: int, mm: mmap.mmap, worker: int | None = None) -> None:
+        self.path = path
+        self._fd = fd
+        self._mm = mm
+        self.words = memoryview(mm).cast("q")
+        if self.words[H_MAGIC] != MAGIC or self.words[H_LAYOUT] != LAYOUT:
+            raise ValueError(f"{path} is not a kvrouter fleet ring of layout {LAYOUT}")
+        self.n_workers = self.words[H_WORKERS]
+        self.ring_bytes = self.words[H_RING_BYTES]
+        self._rings0 = (HEADER_WORDS + self.n_workers * WORKER_WORDS) * 8
+        self.worker = worker
+        self._seen = [(self._word(w, W_GENERATION), self._word(w, W_CURSOR)) for w in range(self.n_workers)]
+        """Per worker: the generation and the cursor this reader has folded up to."""
+
+    @classmethod
+    def create(cls, path: Path, n_workers: int, ring_bytes: int = RING_BYTES) -> Ring:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        os.ftruncate(fd, (HEADER_WORDS + n_workers * WORKER_WORDS) * 8 + n_workers * ring_bytes)
+        mm = mmap.mmap(fd, 0)
+        words = memoryview(mm).cast("q")
+        words[H_WORKERS] = n_workers
+        words[H_RING_BYTES] = ring_bytes
+        words[H_LAYOUT] = LAYOUT
+        words[H_MAGIC] = MAGIC
+        words.release()
+        return cls(path, fd, mm)
+
+    @classmethod
+    def attach(cls, path: Path, worker: int) -> Ring:
+        fd = os.open(path, os.O_RDWR)
+        return cls(path, fd, mmap.mmap(fd, 0), worker)
+
+    def _at(self, worker: int, field: int) -> int:
+        return HEADER_WORDS + worker * WORKER_WORDS + field
+
+    def _word(self, worker: int, field: int) -> int:
+        return self.words[self._at(worker, field)]
+
+    def new_generation(self, worker: int, *, restarted: bool = False) -> None:
+        """The supervisor: ``worker`` died or is being started; readers drop what it held."""
+        self.words[self._at(worker, W_START)] = self._word(worker, W_CURSOR)
+        self.words[self._at(worker, W_GENERATION)] += 1
+        if restarted:
+            self.words[H_RESTARTS] += 1
+
+    @property
+    def restarts(self) -> int:
+        return self.words[H_RESTARTS]
+
+    def append(self, batch: bytes) -> None:
+        assert self.worker is not None
+        frame = len(batch).to_bytes(4, "little") + batch
+        cursor = self._word(self.worker, W_CURSOR)
+        base = self._rings0 + self.worker * self.ring_bytes
+        at = cursor % self.ring_bytes
+        first = min(len(frame), self.ring_bytes - at)
+        self._mm[base + at:base + at + first] = frame[:first]
+        if first < len(frame):
+            self._mm[base:base + len(frame) - first] = frame[first:]
+        self.words[self._at(self.worker, W_CURSOR)] = cursor + len(frame)
+
+    def _read(self, base: int, pos: int, n: int) -> bytes:
+        at = pos % self.ring_bytes
+        first = min(n, self.ring_bytes - at)
+        out = self._mm[base + at:base + at + first]
+        return out if first == n else out + self._mm[base:base + n - first]
+
+    def catch_up(self, state: FleetState) -> None:
+        """Fold every record the other workers appended since this reader last looked."""
+        for w in range(self.n_workers):
+            if w == self.worker:
+                continue
+            generation, end = self._word(w, W_GENERATION), self._word(w, W_CURSOR)
+            seen_generation, pos = self._seen[w]
+            if generation == seen_generation and pos == end:
+                continue
+            name = sender(w)
+            if generation != seen_generation:
+                state.drop(name)  # it died or restarted: its requests went with it
+                pos = self._word(w, W_START)
+            if pos == self._word(w, W_START):
+                state.begin(name)  # read from the worker's first record: nothing missed
+            if end - pos > self.ring_bytes or end < pos:
+                state.drop(name)  # fell a ring behind: its next snapshot counts it again
+                pos = end
+            base = self._rings0 + w * self.ring_bytes
+            while pos < end:
+                n = int.from_bytes(self._read(base, pos, 4), "little")
+                records = decode(self._read(base, pos + 4, n))
+                pos += 4 + n
+                if records is None or pos > end:
+                    state.drop(name)
+                    pos = end
+                    break
+                state.fold(name, records)
+            self._seen[w] = (generation, pos)
+
+    def close(self) -> None:
+        self.words.release()
+        try:
+            self._mm.close()
+        except BufferError:
+            pass
+        os.close(self._fd)

@@ -1,0 +1,249 @@
+"""The fleet-state log between router replicas: one Redis Stream per fleet (``router.fleet_state``).
+
+Every process appends entries to ``{namespace}:fleet`` (a batch of its records and its
+name) and reads every entry with a blocking ``XREAD``, folding the other replicas' as they
+arrive (its own host's workers reach it through their ring). Reads never wait on Redis.
+
+- **Appending.** Queued records go out as one entry, then the sender waits :data:`FLUSH_S`:
+  a lone record leaves at once, a busy process writes one entry per interval. A snapshot
+  due is built when its entry is sent and ends it, so it covers every change before it.
+- **Order.** kv_aware's decisions with a choice to make are committed by one atomic script
+  (:meth:`FleetStream.order`): it appends the decision only if no other process's decision
+  entered the stream after the last entry this process had folded when it decided; else it
+  returns those entries, which are folded, and the decision is made again (the
+  :data:`ATTEMPTS`-th is committed whatever came). So every committed decision saw every
+  decision committed before it, as in one process, at one round trip per decision.
+- **Expiry.** The stream is trimmed to :data:`MAXLEN` entries and expires when nobody
+  writes; a new process reads from ``ttl_s`` back, far enough for every live snapshot.
+- **Failures.** Redis down or slower than :data:`TIMEOUT_S`: a decision goes as decided
+  alone, a snapshot re-bases the others once Redis answers, and each state change is
+  logged once (``kvrouter_fleet_log_failures`` counts them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import redis.asyncio as aredis
+
+from router import metrics
+from router.fleet.log import Decided, FleetState, Load, Record, Snapshot, decode, encode
+
+log = logging.getLogger(__name__)
+
+FLUSH_S = 0.002
+ATTEMPTS = 4
+TIMEOUT_S = 0.25
+MAXLEN = 8192
+BLOCK_MS = 1000
+
+# KEYS[1]: the stream. ARGV: the decision's cursor, own replica prefix, force, sender, window
+# ms, max length, payload, TTL ms. Returns committed (0/1), the last entry's id, then each
+# other process's entry after the cursor: id, sender, decided flag, records.
+_COMMIT = """
+local key, cursor, mine = KEYS[1], ARGV[1], ARGV[2]
+local t = redis.call('TIME')
+local floor = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) - tonumber(ARGV[5])
+local start = '(' .. cursor
+if (tonumber(string.match(cursor, '^(%d+)')) or 0) < floor then
+  start = floor .. '-0'
+end
+local out = {0, cursor}
+local news = false
+for _, e in ipairs(redis.call('XRANGE', key, start, '+')) do
+  out[2] = e[1]
+  local f = e[2]
+  if string.sub(f[2], 1, #mine) ~= mine then
+    out[#out + 1] = e[1]
+    out[#out + 1] = f[2]
+    out[#out + 1] = f[4]
+    out[#out + 1] = f[6]
+    if f[4] == '1' then
+      news = true
+    end
+  end
+end
+if news and ARGV[3] ~= '1' then
+  return out
+end
+out[1] = 1
+out[2] = redis.call('XADD', key, 'MAXLEN', '~', ARGV[6], '*', 's', ARGV[4], 'd', '1', 'r', ARGV[7])
+redis.call('PEXPIRE', key, ARGV[8])
+return out
+"""
+
+
+def process_id(replica: str, worker: int) -> str:
+    """``{replica}/{worker}.{pid}``: a process's name in the stream. The pid makes a restarted
+    worker a new sender; the ``{replica}/`` prefix is what one host's workers skip."""
+    return f"{replica}/{worker}.{os.getpid()}"
+
+
+def _id(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+class FleetStream:
+    """This process's side of the replicas' stream (see the module docstring)."""
+
+    def __init__(self, url: str, namespace: str, replica: str, worker: int, snapshot: Callable[[], dict[str, Load]],
+                 ttl_s: float) -> None:
+        timeout = max(0.5, ttl_s)
+        self.redis = aredis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+        self._reader = aredis.Redis.from_url(url, socket_timeout=BLOCK_MS / 1000 + timeout,
+                                             socket_connect_timeout=timeout)
+        self._script = self.redis.register_script(_COMMIT)
+        self.key = f"{namespace}:fleet"
+        self.me = process_id(replica, worker)
+        self.mine = f"{replica}/"
+        self.ttl_ms = max(1, int(ttl_s * 1000))
+        self._snapshot = snapshot
+        self._queue: list[Record] = []
+        self._snapshot_due = True
+        self._wake = asyncio.Event()
+        self._lock = asyncio.Lock()
+        self.cursor = "0-0"
+        """The last entry folded (the reader and the commits both advance it)."""
+        self.state: FleetState | None = None
+        self._failing: set[str] = set()
+
+    def append(self, records: list[Record]) -> None:
+        for r in records:
+            if isinstance(r, Snapshot):
+                self._snapshot_due = True  # built when sent, as the entry's last record
+            else:
+                self._queue.append(r)
+        self._wake.set()
+
+    async def run(self, state: FleetState) -> None:
+        self.state = state
+        self.cursor = f"{int(time.time() * 1000) - self.ttl_ms}-0"
+        await asyncio.gather(self._flush_forever(), self._read_forever())
+
+    async def _flush_forever(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            async with self._lock:
+                records, self._queue = self._queue, []
+                if self._snapshot_due:
+                    records.append(Snapshot(self._snapshot()))
+                    self._snapshot_due = False
+                if records:
+                    try:
+                        pipe = self.redis.pipeline(transaction=False)
+                        decided = any(isinstance(r, Decided) for r in records)
+                        pipe.xadd(self.key, {"s": self.me, "d": "1" if decided else "0", "r": encode(records)},
+                                  maxlen=MAXLEN, approximate=True)
+                        pipe.pexpire(self.key, 4 * self.ttl_ms)
+                        await pipe.execute()
+                        self._recovered("append")
+                    except Exception as e:  # noqa: BLE001 - Redis down or slow: a snapshot re-bases the others later
+                        self._snapshot_due = True
+                        self._failed("append", e)
+            await asyncio.sleep(FLUSH_S)
+
+    async def _read_forever(self) -> None:
+        while True:
+            try:
+                out = await self._reader.xread({self.key: self.cursor}, count=1000, block=BLOCK_MS)
+                for _, entries in out or []:
+                    for entry_id, fields in entries:
+                        self._fold(entry_id.decode(), fields.get(b"s", b""), fields.get(b"r", b""))
+                self._recovered("read")
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - Redis down or restarted: read again from where it was
+                self._failed("read", e)
+                await asyncio.sleep(0.5)
+
+    def _fold(self, entry_id: str, sender: bytes, payload: bytes) -> None:
+        """One entry, unless folded already (by the reader or a commit) or this replica's."""
+        if _id(entry_id) <= _id(self.cursor):
+            return
+        self.cursor = entry_id
+        name = sender.decode(errors="replace")
+        if name.startswith(self.mine) or self.state is None:
+            return
+        records = decode(payload)
+        if records is None:
+            metrics.child(metrics.FLEET_LOG_FAILURES, "decode").inc()
+            return
+        age = max(0.0, time.time() - _id(entry_id)[0] / 1000)
+        metrics.FLEET_LOG_DELAY.observe(age)
+        self.state.fold(name, records, age)
+
+    async def order(self, record: Callable[[], Decided], again: Callable[[], None]) -> bool:
+        """Commit the decision ``record()`` describes, calling ``again`` to decide anew while
+        other processes' decisions overtook it (see the module docstring). Returns whether it
+        was committed (else it goes as decided alone, and its record is queued as usual).
+
+        The caller sends the request as soon as this returns, before yielding, so the next
+        of this process's decisions, made once it holds the lock, sees this one."""
+        waited = self._lock.locked()
+        t0 = time.perf_counter()
+        async with self._lock:
+            t1 = time.perf_counter()
+            if waited:
+                again()
+            committed = await self._commit_in_order(record, again)
+        metrics.child(metrics.SEQUENCE_SECONDS, "wait").observe(t1 - t0)
+        metrics.child(metrics.SEQUENCE_SECONDS, "commit").observe(time.perf_counter() - t1)
+        return committed
+
+    async def _commit_in_order(self, record: Callable[[], Decided], again: Callable[[], None]) -> bool:
+        first: str | None = None
+        overtaken = 0
+        while True:
+            r = record()
+            first = first or r.backend
+            cursor = self.cursor
+            force = overtaken >= ATTEMPTS - 1
+            args = [cursor, self.mine, int(force), self.me, self.ttl_ms, MAXLEN, encode([r]), 4 * self.ttl_ms]
+            try:
+                out: list[Any] = await asyncio.wait_for(self._script(keys=[self.key], args=args), TIMEOUT_S)
+            except Exception as e:  # noqa: BLE001 - Redis down or slow: go as decided alone
+                metrics.child(metrics.SEQUENCED, "failed").inc()
+                self._failed("order", e)
+                return False
+            self._recovered("order")
+            news = False
+            for i in range(2, len(out) - 3, 4):
+                news = news or out[i + 2] == b"1"
+                self._fold(out[i].decode(), out[i + 1], out[i + 3])
+            if int(out[0]):
+                if _id(out[1].decode()) > _id(self.cursor):
+                    self.cursor = out[1].decode()  # every other entry before it was just folded
+                outcome = "moved" if r.backend != first else "again" if overtaken else "first"
+                metrics.child(metrics.SEQUENCED, outcome).inc()
+                return True
+            overtaken += 1
+            again()
+
+    def _failed(self, what: str, e: Exception) -> None:
+        metrics.child(metrics.FLEET_LOG_FAILURES, what).inc()
+        if what not in self._failing:
+            self._failing.add(what)
+            log.warning("fleet state: cannot %s the replicas' stream in Redis (%s: %s); this replica routes on "
+                        "what it sees itself until Redis answers", what, type(e).__name__, e)
+
+    def _recovered(self, what: str) -> None:
+        if what in self._failing:
+            self._failing.discard(what)
+            log.info("fleet state: Redis answers again (%s)", what)
+
+    async def aclose(self) -> None:
+        """Withdraw this process's load at once (a clean stop need not wait for the TTL)."""
+        try:
+            await asyncio.wait_for(self.redis.xadd(self.key, {"s": self.me, "d": "0", "r": encode([Snapshot({})])},
+                                                   maxlen=MAXLEN, approximate=True), TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001 - the TTL removes it anyway
+            log.debug("fleet state: could not withdraw %s: %s", self.me, e)
+        await self.redis.aclose()
+        await self._reader.aclose()
