@@ -1,8 +1,8 @@
 """The router's HTTP surface: the OpenAI endpoints, /health, /metrics and /debug/*.
 
-Each endpoint checks access, reads the body (:mod:`router.parse`) and hands it to the
-request path (:mod:`router.request_path`), which reads top to bottom: plan, look up,
-choose, send, settle. ``/debug/route`` runs only its deciding half, which changes
+Each endpoint is one method of :class:`Handlers` (:data:`ROUTES` lists them): it checks
+access, reads the body (:mod:`router.parse`) and hands it to the request path
+(:mod:`router.request_path`), which reads top to bottom: plan, look up, choose, send, settle. ``/debug/route`` runs only its deciding half, which changes
 nothing. Errors are raised as :mod:`router.errors` exceptions and answered by
 :class:`router.dispatch.Endpoints` (and by :func:`router.errors.error_response` inside
 the proxy).
@@ -36,12 +36,12 @@ log = logging.getLogger(__name__)
 
 
 def create_app(config: Config, index: Index | None = None) -> Endpoints:
+    """The ASGI app: FastAPI owns start-up and shutdown, :class:`router.dispatch.Endpoints`
+    calls :class:`Handlers`' methods straight for the routes of :data:`ROUTES`."""
     router = Router(config, index)
-    settings = config.router
-    access = Access(settings)
-    if access.admin_same_as_client:
+    handlers = Handlers(router, Access(config.router))
+    if handlers.access.admin_same_as_client:
         log.warning("router.admin_api_key equals router.api_key: every client can call /debug/*")
-    pass_authorization = settings.forward_client_authorization
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -54,101 +54,116 @@ def create_app(config: Config, index: Index | None = None) -> Endpoints:
     app = FastAPI(title="kvrouter", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.router = router
     endpoints = Endpoints(app)
+    for (method, path), name in ROUTES.items():
+        endpoints.add(method, path, getattr(handlers, name))
+    return endpoints
 
-    def route(path: str, method: str) -> Any:
-        """Endpoints called straight from :class:`router.dispatch.Endpoints`; FastAPI keeps
-        the lifespan and answers whatever is not ours."""
 
-        def register(endpoint: Any) -> Any:
-            endpoints.add(method, path, endpoint)
-            return endpoint
+ROUTES = {
+    ("POST", "/v1/chat/completions"): "chat_completions",
+    ("POST", "/v1/completions"): "completions",
+    ("POST", "/v1/embeddings"): "embeddings",
+    ("POST", "/tokenize"): "tokenize",
+    ("POST", "/detokenize"): "detokenize",
+    ("GET", "/v1/models"): "models",
+    ("GET", "/health"): "health",
+    ("GET", "/metrics"): "prometheus",
+    ("POST", "/debug/route"): "debug_route",
+    ("GET", "/debug/index"): "debug_index",
+    ("GET", "/debug/backends"): "debug_backends",
+}
+"""Every endpoint of the router: (method, path) -> the :class:`Handlers` method answering it."""
 
-        return register
 
-    async def read_json(request: Request) -> tuple[bytes, dict[str, Any], float]:
+class Handlers:
+    """One method per endpoint, each ``Request -> Response``: access, body, the request path."""
+
+    def __init__(self, router: Router, access: Access) -> None:
+        self.router = router
+        self.access = access
+        self.settings = router.settings
+
+    async def read_json(self, request: Request) -> tuple[bytes, dict[str, Any], float]:
         """The body, parsed, and when it was fully received (the overhead clock starts there:
         a slow client's upload is not the router's time). A draining router takes no new
         request (one can still arrive on a connection opened before the drain)."""
-        if router.draining:
+        if self.router.draining:
             raise ShuttingDown("the router is shutting down; send the request to another replica")
         t0 = time.perf_counter()
-        raw = await read_body(request, settings.max_body_bytes)
+        raw = await read_body(request, self.settings.max_body_bytes)
         received = time.perf_counter()
         metrics.BODY_SECONDS.observe(received - t0)
         return raw, parse_json(raw), received
 
-    def upstream_headers(request: Request) -> tuple[dict[str, str], str | None]:
+    def upstream_headers(self, request: Request) -> tuple[dict[str, str], str | None]:
         """What the engines get of the request's headers, and the client's Authorization
         when it is passed on (only to backends without a key of their own)."""
         headers = request.headers
-        return forwarded_headers(headers), headers.get("authorization") if pass_authorization else None
+        passed = headers.get("authorization") if self.settings.forward_client_authorization else None
+        return forwarded_headers(headers), passed
 
-    async def openai(request: Request, kind: str, path: str) -> Response:
-        access.client(request.headers)
-        forwarded, client_auth = upstream_headers(request)
-        raw, body, started = await read_json(request)
-        decided = await router.path.decide(body, len(raw), kind, request.headers, act=True)
-        await router.path.order(decided)
-        return router.path.send(decided, path, raw, forwarded, client_auth, started)
+    async def openai(self, request: Request, kind: str, path: str) -> Response:
+        """The request path, every stage (:mod:`router.request_path`)."""
+        self.access.client(request.headers)
+        forwarded, client_auth = self.upstream_headers(request)
+        raw, body, started = await self.read_json(request)
+        path_ = self.router.path
+        decided = await path_.decide(body, len(raw), kind, request.headers, act=True)
+        await path_.order(decided)
+        return path_.send(decided, path, raw, forwarded, client_auth, started)
 
-    @route("/v1/chat/completions", "POST")
-    async def chat_completions(request: Request) -> Response:
-        return await openai(request, "chat", "/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        return await self.openai(request, "chat", "/v1/chat/completions")
 
-    @route("/v1/completions", "POST")
-    async def completions(request: Request) -> Response:
-        return await openai(request, "completion", "/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        return await self.openai(request, "completion", "/v1/completions")
 
-    async def passthrough(request: Request, path: str) -> Response:
-        access.client(request.headers)
-        forwarded, client_auth = upstream_headers(request)
-        raw, body, started = await read_json(request)
-        rt, order = router.pick_any(body)
-        return ProxyResponse(router.path.upstreams, Upstream(
+    async def passthrough(self, request: Request, path: str) -> Response:
+        """Routed on load alone, least loaded first (no prompt to hash)."""
+        self.access.client(request.headers)
+        forwarded, client_auth = self.upstream_headers(request)
+        raw, body, started = await self.read_json(request)
+        rt, order = self.router.pick_any(body)
+        return ProxyResponse(self.router.path.upstreams, Upstream(
             path, raw, forwarded, order, rt.name, "passthrough", started, client_authorization=client_auth))
 
-    @route("/v1/embeddings", "POST")
-    async def embeddings(request: Request) -> Response:
-        return await passthrough(request, "/v1/embeddings")
+    async def embeddings(self, request: Request) -> Response:
+        return await self.passthrough(request, "/v1/embeddings")
 
-    @route("/tokenize", "POST")
-    async def tokenize(request: Request) -> Response:
-        return await passthrough(request, "/tokenize")
+    async def tokenize(self, request: Request) -> Response:
+        return await self.passthrough(request, "/tokenize")
 
-    @route("/detokenize", "POST")
-    async def detokenize(request: Request) -> Response:
-        return await passthrough(request, "/detokenize")
+    async def detokenize(self, request: Request) -> Response:
+        return await self.passthrough(request, "/detokenize")
 
-    @route("/v1/models", "GET")
-    async def models(request: Request) -> Response:
-        access.client(request.headers)
+    async def models(self, request: Request) -> Response:
+        self.access.client(request.headers)
         data = []
-        for rt in router.models:
-            data.append({"id": rt.name, "object": "model", "created": 0, "owned_by": "kvrouter", "root": rt.name, "parent": None, "max_model_len": rt.max_model_len})
+        for rt in self.router.models:
+            data.append({"id": rt.name, "object": "model", "created": 0, "owned_by": "kvrouter", "root": rt.name,
+                         "parent": None, "max_model_len": rt.max_model_len})
             for a in rt.config.lora_adapters:
-                data.append({"id": a.name, "object": "model", "created": 0, "owned_by": "kvrouter", "root": a.path, "parent": rt.name, "max_model_len": rt.max_model_len})
+                data.append({"id": a.name, "object": "model", "created": 0, "owned_by": "kvrouter", "root": a.path,
+                             "parent": rt.name, "max_model_len": rt.max_model_len})
         return json_response({"object": "list", "data": data})
 
-    @route("/health", "GET")
-    async def health(_: Request) -> Response:
-        if router.draining:
+    async def health(self, _: Request) -> Response:
+        if self.router.draining:
             return json_response({"status": "draining", "reason": "the router is shutting down"}, 503)
-        if router.can_route():
+        if self.router.can_route():
             return json_response({"status": "ok"})
         return json_response({"status": "unavailable", "reason": "a model has no healthy backend"}, 503)
 
-    @route("/metrics", "GET")
-    async def prometheus(_: Request) -> Response:
+    async def prometheus(self, _: Request) -> Response:
         return Response(await metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
-    @route("/debug/route", "POST")
-    async def debug_route(request: Request) -> Response:
+    async def debug_route(self, request: Request) -> Response:
         """The decision the request would get, without sending it: only the deciding
         stages run, so nothing changes (no load, policy memory, counters or settles)."""
-        access.admin(request.headers)
-        raw, body, _ = await read_json(request)
+        self.access.admin(request.headers)
+        raw, body, _ = await self.read_json(request)
         kind = "chat" if "messages" in body else "completion"
-        decided = await router.path.decide(body, len(raw), kind, request.headers)
+        decided = await self.router.path.decide(body, len(raw), kind, request.headers)
         ctx, decision = decided.ctx, decided.decision
         answer: dict[str, Any] = {
             "backend": decision.backend,
@@ -180,11 +195,11 @@ def create_app(config: Config, index: Index | None = None) -> Endpoints:
             answer["token_ids"] = decided.token_ids
         return json_response(answer)
 
-    @route("/debug/index", "GET")
-    async def debug_index(request: Request) -> Response:
+    async def debug_index(self, request: Request) -> Response:
         """Every block key the index holds per worker (``?model=``, default the first): the
         chaos suite's comparison with the engines' true caches. A full copy: small fleets only."""
-        access.admin(request.headers)
+        self.access.admin(request.headers)
+        router = self.router
         model = request.query_params.get("model") or next(iter(router.models)).name
         if model not in router.models.runtimes:
             raise UnknownModel(f"The model `{model}` does not exist.")
@@ -192,9 +207,9 @@ def create_app(config: Config, index: Index | None = None) -> Endpoints:
         workers = [{"backend": w.backend, "dp_rank": w.dp_rank, "keys": sorted(keys)} for w, keys in sorted(held.items())]
         return json_response({"model": model, "workers": workers})
 
-    @route("/debug/backends", "GET")
-    async def debug_backends(request: Request) -> Response:
-        access.admin(request.headers)
+    async def debug_backends(self, request: Request) -> Response:
+        self.access.admin(request.headers)
+        router = self.router
         stats = router.streams.stats()
         out = []
         for name, b in router.pool.backends.items():
@@ -212,5 +227,3 @@ def create_app(config: Config, index: Index | None = None) -> Endpoints:
             entry["rehash_mode"] = any(s["rehash_mode"] for s in streams)
             out.append(entry)
         return json_response({"backends": out, **router.sharing()})
-
-    return endpoints

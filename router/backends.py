@@ -157,7 +157,7 @@ class BackendState:
 
     def eject(self, reason: str, *, refused: bool = False, publish: bool = True) -> None:
         if publish and self.fleet is not None:
-            self.fleet.append(Verdict(self.name, False, refused), host_only=True)
+            self.fleet.append(Verdict(self.name, False, refused), to_fleet=False)
         was_ok = self.health_ok
         if was_ok:
             self.ejections += 1
@@ -180,7 +180,7 @@ class BackendState:
     def admit(self, *, publish: bool = True) -> None:
         if not self.health_ok:
             if publish and self.fleet is not None:
-                self.fleet.append(Verdict(self.name, True), host_only=True)
+                self.fleet.append(Verdict(self.name, True), to_fleet=False)
             log.info("backend %s re-admitted", self.name)
         self.health_ok = True
 

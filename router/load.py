@@ -356,7 +356,7 @@ class LoadTracker:
             return
         for name, load in self.backends.items():
             self.fleet.append(Scraped(name, load.scraped_waiting, load.scraped_running, load.scraped_kv_usage,
-                                      load.scraped_unseen, load.scraped_at), host_only=True)
+                                      load.scraped_unseen, load.scraped_at), to_fleet=False)
 
     def _take_scraped(self, r: Scraped) -> None:
         load = self.backends.get(r.backend)

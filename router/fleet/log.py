@@ -2,30 +2,22 @@
 
 The workers of ``serve --workers N`` and replicas on other hosts each decide alone, yet each
 must weigh every process's requests, follow every process's recent decisions (a burst on a
-new prefix, spread over processes, lands where its first request went), weigh the fleet's
-request share and agree on health. One mechanism carries all of it, as Dynamo's router
-replicas share one active-sequence event stream:
+new prefix lands where its first request went), weigh the fleet's request share and agree on
+health. One mechanism carries it all, as Dynamo's router replicas share one active-sequence
+event stream. Each process appends typed records of what it did: a request :class:`Decided`
+(backend, prefix keys, the load it adds), its :class:`FirstToken`, its :class:`Ended`, a
+deferred request :class:`Settled`, a health :class:`Verdict`, the engines' :class:`Scraped`
+gauges, and every :data:`SNAPSHOT_S` a :class:`Snapshot` of its load, which is also its
+heartbeat. Every process folds the others' records into the same :class:`FleetState`.
 
-- each process appends typed records of what it did: a request :class:`Decided` (backend,
-  prefix keys, the load it adds), its :class:`FirstToken`, its :class:`Ended`, a deferred
-  request's exact figures (:class:`Settled`), a health :class:`Verdict`, the engines'
-  :class:`Scraped` gauges, and every :data:`SNAPSHOT_S` a :class:`Snapshot` of its whole
-  load, which is also its heartbeat;
-- every process folds the others' records into the same :class:`FleetState`: load per
-  backend, the policies' prefix memory and request share, health.
-
-Records carry load *changes* (:data:`Load`), so folding is adding; a snapshot sets a
-sender's counters outright. A sender's records keep their order on every transport, so a
-snapshot followed by changes is exact; records lost (a reader a ring behind, Redis
-unreachable) cost at most one snapshot interval of error, and a reader that joins mid-log
-counts a sender's load from that sender's next snapshot. A sender silent for ``ttl_s`` (it
-died, or is cut off) stops counting: no phantom load.
-
-Ordering that matters comes from the log's own order: replicas commit kv_aware's decisions
-only if no other process decided after the last entry they folded
-(:meth:`router.fleet.stream.FleetStream.order`). Transports: :mod:`router.fleet.ring` between
-a host's workers, :mod:`router.fleet.stream` between replicas; verdicts and scrapes stay on
-the host (each replica checks its own engines).
+Records carry load *changes*, so folding is adding; a snapshot sets a sender's counters
+outright. A sender's records keep their order on every transport, so a snapshot followed by
+changes is exact; records lost cost at most one snapshot interval of error, and a reader
+that joins mid-log counts a sender's load from its next snapshot. A sender silent for
+``ttl_s`` (dead, or cut off) stops counting: no phantom load. Replicas' concurrent decisions
+are ordered by the log itself (:meth:`router.fleet.stream.FleetStream.order`).
+Transports: :mod:`router.fleet.ring` between a host's workers, :mod:`router.fleet.stream`
+between replicas; verdicts and scrapes stay on the host.
 """
 
 from __future__ import annotations
@@ -70,9 +62,8 @@ class FirstToken(msgspec.Struct, tag=2, array_like=True):
     load: Load
 
 
-class Ended(msgspec.Struct, tag=3, array_like=True):
-    backend: str
-    load: Load
+class Ended(FirstToken, tag=3):
+    pass
 
 
 class Settled(msgspec.Struct, tag=4, array_like=True):
@@ -118,6 +109,11 @@ def decode(data: bytes) -> list[Record] | None:
         return _decoder.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError):
         return None
+
+
+def _shift(counters: list[int], d: Load | list[int], sign: int = 1) -> None:
+    for i in range(5):
+        counters[i] += sign * d[i]
 
 
 @dataclass(slots=True)
@@ -174,31 +170,19 @@ class FleetState:
         return decided
 
     def _add(self, s: _Sender, backend: str, d: Load) -> None:
-        if s.loads is None:
-            return  # joined after this change: its sender's next snapshot includes it
-        mine = s.loads.get(backend)
-        if mine is None:
-            mine = s.loads[backend] = [0, 0, 0, 0, 0]
-        total = self.remote.get(backend)
-        if total is None:
-            total = self.remote[backend] = [0, 0, 0, 0, 0]
-        for i in range(5):
-            mine[i] += d[i]
-            total[i] += d[i]
+        if s.loads is not None:  # else it joined after this change: the next snapshot includes it
+            _shift(s.loads.setdefault(backend, [0] * 5), d)
+            _shift(self.remote.setdefault(backend, [0] * 5), d)
 
     def _set(self, s: _Sender, loads: dict[str, Load]) -> None:
         self._withdraw(s)
         s.loads = {b: list(v) for b, v in loads.items()}
-        for b, v in s.loads.items():
-            total = self.remote.setdefault(b, [0, 0, 0, 0, 0])
-            for i in range(5):
-                total[i] += v[i]
+        for b, v in loads.items():
+            _shift(self.remote.setdefault(b, [0] * 5), v)
 
     def _withdraw(self, s: _Sender) -> None:
         for b, v in (s.loads or {}).items():
-            total = self.remote[b]
-            for i in range(5):
-                total[i] -= v[i]
+            _shift(self.remote[b], v, -1)
 
     def begin(self, sender: str) -> None:
         """``sender``'s records will be folded from its first on: its load counts from
@@ -246,13 +230,13 @@ class FleetLog:
         self.fleet = fleet
         """Between replicas."""
 
-    def append(self, record: Record, *, host_only: bool = False, to_fleet: bool = True) -> None:
-        """``host_only``: a verdict or a scrape (each replica checks its own engines);
-        ``to_fleet=False``: the record reached the replicas already (a committed decision)."""
+    def append(self, record: Record, *, to_fleet: bool = True) -> None:
+        """``to_fleet=False``: the host's workers only (a verdict or a scrape: each replica
+        checks its own engines; or a decision already committed to the stream)."""
         records = [record]
         if self.host is not None:
             self.host.append(encode(records))
-        if self.fleet is not None and to_fleet and not host_only:
+        if self.fleet is not None and to_fleet:
             self.fleet.append(records)
 
     def catch_up(self) -> None:

@@ -1,25 +1,17 @@
 """The fleet-state log between the workers of one host: one ring of bytes per worker.
 
-One memory-mapped file (in the supervisor's run directory, on ``/dev/shm`` when there is
-one) holds a header of 64-bit words (magic, layout, worker count, worker restarts), per
-worker its *generation*, its *start* and its *cursor*, then per worker a ring of
-:data:`RING_BYTES`. A worker appends each batch of records (4-byte length, then msgpack)
-at its cursor and then advances the cursor; the other workers fold what lies between their
-last position and the cursor (:meth:`Ring.catch_up`).
+One memory-mapped file (in the supervisor's run directory, on ``/dev/shm`` when there is one)
+holds a header, per worker its generation, start and cursor, then per worker a ring. A worker
+appends each batch of records (4-byte length, then msgpack) at its cursor, then advances the
+cursor; the others fold what lies between their last position and it (:meth:`Ring.catch_up`).
+No lock: each ring has one writer, and the cursor is one aligned 8-byte store made after the
+bytes it covers. A reader a whole ring behind skips to the cursor and forgets that worker's
+load until its next snapshot. The supervisor bumps a worker's generation when it dies (its
+requests died with it: readers drop its load at once) and when it starts another.
 
-Why no lock: every ring has one writer, the cursor is one aligned 8-byte store made after
-the bytes it covers, and readers only read. A reader a whole ring behind (a worker stalled
-while the others sent ~10,000 requests) skips to the cursor and forgets that sender's load
-until its next snapshot (:mod:`router.fleet.log`).
-
-The supervisor bumps a worker's generation when the worker dies (its requests died with
-it: readers drop its load at once) and again when it starts another, recording where the
-new one's records start.
-
-Why an mmap'd file and not :class:`multiprocessing.shared_memory.SharedMemory`: on Python
-3.11 every process that attaches a ``SharedMemory`` registers it with its resource tracker,
-which unlinks it when that process exits, so the first worker to die would take it from all
-the others. A file in the run directory has one owner (the supervisor removes the directory).
+An mmap'd file, not :class:`multiprocessing.shared_memory.SharedMemory`: on Python 3.11 each
+process attaching one registers it with its resource tracker, which unlinks it at that
+process's exit, so the first worker to die would take it from the others.
 """
 
 from __future__ import annotations

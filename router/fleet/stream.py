@@ -50,27 +50,17 @@ local key, cursor, mine = KEYS[1], ARGV[1], ARGV[2]
 local t = redis.call('TIME')
 local floor = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) - tonumber(ARGV[5])
 local start = '(' .. cursor
-if (tonumber(string.match(cursor, '^(%d+)')) or 0) < floor then
-  start = floor .. '-0'
-end
-local out = {0, cursor}
-local news = false
+if (tonumber(string.match(cursor, '^(%d+)')) or 0) < floor then start = floor .. '-0' end
+local out, news = {0, cursor}, false
 for _, e in ipairs(redis.call('XRANGE', key, start, '+')) do
   out[2] = e[1]
   local f = e[2]
   if string.sub(f[2], 1, #mine) ~= mine then
-    out[#out + 1] = e[1]
-    out[#out + 1] = f[2]
-    out[#out + 1] = f[4]
-    out[#out + 1] = f[6]
-    if f[4] == '1' then
-      news = true
-    end
+    for _, v in ipairs({e[1], f[2], f[4], f[6]}) do out[#out + 1] = v end
+    if f[4] == '1' then news = true end
   end
 end
-if news and ARGV[3] ~= '1' then
-  return out
-end
+if news and ARGV[3] ~= '1' then return out end
 out[1] = 1
 out[2] = redis.call('XADD', key, 'MAXLEN', '~', ARGV[6], '*', 's', ARGV[4], 'd', '1', 'r', ARGV[7])
 redis.call('PEXPIRE', key, ARGV[8])
@@ -181,50 +171,41 @@ class FleetStream:
 
     async def order(self, record: Callable[[], Decided], again: Callable[[], None]) -> bool:
         """Commit the decision ``record()`` describes, calling ``again`` to decide anew while
-        other processes' decisions overtook it (see the module docstring). Returns whether it
-        was committed (else it goes as decided alone, and its record is queued as usual).
-
-        The caller sends the request as soon as this returns, before yielding, so the next
-        of this process's decisions, made once it holds the lock, sees this one."""
+        other processes' decisions overtook it; returns whether it was committed (else it
+        goes as decided alone, its record queued as usual). One commit at a time: the caller
+        sends the request before yielding, so this process's next decision sees this one."""
         waited = self._lock.locked()
         t0 = time.perf_counter()
         async with self._lock:
             t1 = time.perf_counter()
             if waited:
                 again()
-            committed = await self._commit_in_order(record, again)
+            first, overtaken = "", 0
+            while True:
+                r = record()
+                first = first or r.backend
+                args = [self.cursor, self.mine, int(overtaken >= ATTEMPTS - 1), self.me, self.ttl_ms, MAXLEN,
+                        encode([r]), 4 * self.ttl_ms]
+                try:
+                    out: list[Any] = await asyncio.wait_for(self._script(keys=[self.key], args=args), TIMEOUT_S)
+                except Exception as e:  # noqa: BLE001 - Redis down or slow: go as decided alone
+                    metrics.child(metrics.SEQUENCED, "failed").inc()
+                    self._failed("order", e)
+                    return False
+                self._recovered("order")
+                for i in range(2, len(out) - 3, 4):  # id, sender, decided flag, records
+                    self._fold(out[i].decode(), out[i + 1], out[i + 3])
+                if int(out[0]):
+                    if _id(out[1].decode()) > _id(self.cursor):
+                        self.cursor = out[1].decode()  # every other entry before it was just folded
+                    break
+                overtaken += 1
+                again()
+        outcome = "moved" if r.backend != first else "again" if overtaken else "first"
+        metrics.child(metrics.SEQUENCED, outcome).inc()
         metrics.child(metrics.SEQUENCE_SECONDS, "wait").observe(t1 - t0)
         metrics.child(metrics.SEQUENCE_SECONDS, "commit").observe(time.perf_counter() - t1)
-        return committed
-
-    async def _commit_in_order(self, record: Callable[[], Decided], again: Callable[[], None]) -> bool:
-        first: str | None = None
-        overtaken = 0
-        while True:
-            r = record()
-            first = first or r.backend
-            cursor = self.cursor
-            force = overtaken >= ATTEMPTS - 1
-            args = [cursor, self.mine, int(force), self.me, self.ttl_ms, MAXLEN, encode([r]), 4 * self.ttl_ms]
-            try:
-                out: list[Any] = await asyncio.wait_for(self._script(keys=[self.key], args=args), TIMEOUT_S)
-            except Exception as e:  # noqa: BLE001 - Redis down or slow: go as decided alone
-                metrics.child(metrics.SEQUENCED, "failed").inc()
-                self._failed("order", e)
-                return False
-            self._recovered("order")
-            news = False
-            for i in range(2, len(out) - 3, 4):
-                news = news or out[i + 2] == b"1"
-                self._fold(out[i].decode(), out[i + 1], out[i + 3])
-            if int(out[0]):
-                if _id(out[1].decode()) > _id(self.cursor):
-                    self.cursor = out[1].decode()  # every other entry before it was just folded
-                outcome = "moved" if r.backend != first else "again" if overtaken else "first"
-                metrics.child(metrics.SEQUENCED, outcome).inc()
-                return True
-            overtaken += 1
-            again()
+        return True
 
     def _failed(self, what: str, e: Exception) -> None:
         metrics.child(metrics.FLEET_LOG_FAILURES, what).inc()
