@@ -55,7 +55,7 @@ from router.fleet.log import Verdict
 from router.fleet.ring import sender
 
 if TYPE_CHECKING:
-    from router.fleet.log import FleetLog
+    from router.fleet.process import FleetLog
 
 log = logging.getLogger(__name__)
 

@@ -49,7 +49,7 @@ from router.settle import Settler
 
 if TYPE_CHECKING:
     from indexer.subscriber import StreamSpec
-    from router.fleet.log import FleetLog
+    from router.fleet.process import FleetLog
     from router.fleet.ring import Ring
 
 log = logging.getLogger(__name__)
@@ -108,7 +108,8 @@ class Router:
     def _share_fleet_state(self) -> None:
         """Append this process's records to the fleet-state log and fold the others': through
         the host's ring (workers), and through Redis (replicas, ``router.fleet_state``)."""
-        from router.fleet.log import TTL_S, FleetLog, FleetState
+        from router.fleet.log import TTL_S, FleetState
+        from router.fleet.process import FleetLog
 
         url = self.config.fleet_state_url()
         stream = None

@@ -37,7 +37,7 @@ from router.policies.approx_index import stored_keys
 
 if TYPE_CHECKING:
     from router.backends import BackendPool
-    from router.fleet.log import FleetLog
+    from router.fleet.process import FleetLog
 
 log = logging.getLogger(__name__)
 

@@ -238,7 +238,8 @@ class _Replica:
     and its side of the stream (a real Redis)."""
 
     def __init__(self, redis_url: str, namespace: str, name: str, backends: list[str]) -> None:
-        from router.fleet.log import TTL_S, FleetLog, FleetState
+        from router.fleet.log import TTL_S, FleetState
+        from router.fleet.process import FleetLog
         from router.fleet.stream import FleetStream
         from router.load import LoadTracker
         from router.policies.shares import Shares

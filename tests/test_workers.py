@@ -463,7 +463,8 @@ def test_the_ring_folds_records_across_its_end_and_a_reader_a_ring_behind_skips(
     """The fleet-state ring between two workers: records that straddle the ring's end fold
     whole (every decision's prefix reaches the other worker's memory), and a reader a whole
     ring behind forgets the writer's load instead of folding overwritten bytes."""
-    from router.fleet.log import Decided, FleetLog, FleetState, Snapshot
+    from router.fleet.log import Decided, FleetState, Snapshot
+    from router.fleet.process import FleetLog
     from router.policies.approx_index import ApproxPrefixIndex, stored_keys
 
     RING_BYTES = 1 << 16
@@ -500,7 +501,8 @@ def test_every_worker_counts_every_workers_requests_in_the_request_share(tmp_pat
     worker folds the decisions the other workers append to their rings, so its shares are
     those one process deciding every request would see; and a worker that died (its ring's
     generation bumped) leaves no load behind."""
-    from router.fleet.log import FleetLog, FleetState
+    from router.fleet.log import FleetState
+    from router.fleet.process import FleetLog
     from router.load import LoadTracker
     from router.policies.shares import Shares
 

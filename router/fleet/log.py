@@ -22,8 +22,6 @@ between replicas; verdicts and scrapes stay on the host.
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,12 +30,9 @@ from typing import TYPE_CHECKING, Union
 import msgspec
 
 if TYPE_CHECKING:
-    from router.fleet.ring import Ring
-    from router.fleet.stream import FleetStream
     from router.policies.approx_index import ApproxPrefixIndex
     from router.policies.shares import Shares
 
-log = logging.getLogger(__name__)
 
 Load = tuple[int, int, int, int, int]
 """Changes of (or, in a snapshot, the values of) one backend's :data:`LOAD_FIELDS`."""
@@ -215,56 +210,3 @@ class FleetState:
     def by_sender(self, backend: str) -> dict[str, list[int]]:
         """Each live sender's counters for ``backend`` (``/debug/backends``)."""
         return {name: s.loads.get(backend, [0] * 5) for name, s in self._senders.items() if s.loads is not None}
-
-
-class FleetLog:
-    """This process's side: appends its records to every transport, folds the others'
-    into :attr:`state`, and keeps its snapshots (heartbeats) and the senders' expiry going."""
-
-    def __init__(self, state: FleetState, snapshot: Callable[[], dict[str, Load]], host: Ring | None = None,
-                 fleet: FleetStream | None = None) -> None:
-        self.state = state
-        self._snapshot = snapshot
-        self.host = host
-        """Between the workers of this host."""
-        self.fleet = fleet
-        """Between replicas."""
-
-    def append(self, record: Record, *, to_fleet: bool = True) -> None:
-        """``to_fleet=False``: the host's workers only (a verdict or a scrape: each replica
-        checks its own engines; or a decision already committed to the stream)."""
-        records = [record]
-        if self.host is not None:
-            self.host.append(encode(records))
-        if self.fleet is not None and to_fleet:
-            self.fleet.append(records)
-
-    def catch_up(self) -> None:
-        """Fold what the host's other workers appended since the last look (the stream is
-        folded as it arrives)."""
-        if self.host is not None:
-            self.host.catch_up(self.state)
-
-    async def run_forever(self, follow_s: float) -> None:
-        tasks = [asyncio.create_task(self.fleet.run(self.state))] if self.fleet is not None else []
-        try:
-            last = 0.0
-            while True:
-                now = time.monotonic()
-                if now - last >= SNAPSHOT_S:
-                    last = now
-                    self.append(Snapshot(self._snapshot()))
-                    if self.state.expire():
-                        log.info("fleet state: a router process went silent; its load no longer counts")
-                self.catch_up()
-                await asyncio.sleep(min(follow_s, SNAPSHOT_S))
-        finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-    async def aclose(self) -> None:
-        """The stream withdraws this process's load; a ring's mapping stays until the process
-        exits (a request still ending may append)."""
-        if self.fleet is not None:
-            await self.fleet.aclose()
