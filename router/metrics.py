@@ -1,34 +1,37 @@
 """The router's Prometheus series (all prefixed ``kvrouter_``).
 
-Per-request series are plain counters and histograms updated on the hot path (label
-children are cached by prometheus-client after the first use). Backend load, health
-and event-stream state are read at scrape time by :class:`FleetCollector` from the
-live objects, so the hot path never updates a gauge.
+Per-request series are plain counters and histograms updated on the hot path, through
+memoised label children (:meth:`RouterMetrics.child`). They belong to one
+:class:`RouterMetrics` per process (:func:`process_metrics`); the module-level names
+(``REQUESTS``, ``child``, ...) are that object's, for the modules that do not take it yet.
+Backend load, health and event-stream state are read at scrape time by
+:class:`FleetCollector` from the live objects, so the hot path never updates a gauge.
 
-With ``serve --workers N`` the supervisor sets ``PROMETHEUS_MULTIPROC_DIR`` before any
-worker imports prometheus-client, so every counter and histogram lives in a per-process
-file there, and ``/metrics`` (:func:`exposition`) sums all workers' files with
-prometheus-client's ``MultiProcessCollector``, whichever worker answers the scrape; a
-dead worker's counts stay in the sum. The fleet gauges keep coming from
-:class:`FleetCollector`, which in a worker reads the *shared* state (load summed over
-workers and replicas, the one health verdict per backend), so the answering worker
-shows the whole picture: a callback collector is the one kind of gauge multiprocess
-mode cannot aggregate, and this one needs no aggregation. The few plain gauges carry a
-``multiprocess_mode``. The event subscriber's series are per worker (each follows the
-streams) and come from the files too, with a ``pid`` label where they are gauges.
+With ``serve --workers N`` every worker counts in its own memory and ``/metrics``
+(:func:`exposition`) merges every worker's series, whichever worker answers the scrape
+(:mod:`router.worker_metrics`): counters and histograms summed, a dead worker's counts
+kept; gauges as :data:`GAUGE_MERGE` says. The fleet gauges keep coming from
+:class:`FleetCollector` alone, which in a worker reads the *shared* state (load summed
+over workers and replicas, the one health verdict per backend), so the answering worker
+shows the whole picture without merging anything. The event subscriber's series are per
+worker (each follows the streams) and are merged too, with a ``pid`` label where they are
+gauges.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
+import operator
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from router.worker_metrics import GaugeMerge, WorkerSeries
 
 if TYPE_CHECKING:
     from indexer.index import Worker
@@ -41,132 +44,218 @@ if TYPE_CHECKING:
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 _BLOCK_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
-REQUESTS = Counter(
-    "kvrouter_requests", "Requests proxied, by model, backend, policy and final HTTP status",
-    ["model", "backend", "policy", "status"],
-)
-REJECTED = Counter(
-    "kvrouter_rejected_requests", "Requests the router answered itself with an error, by status and code",
-    ["status", "code"],
-)
-DECISIONS = Counter(
-    "kvrouter_routing_decisions", "Routing decisions by model, policy and reason (cache_hit, load_guard, no_events, fallback, ...)",
-    ["model", "policy", "reason"],
-)
-RETRIES = Counter(
-    "kvrouter_upstream_retries", "Requests re-sent to another backend before the first byte, by the backend that failed and why",
-    ["backend", "reason"],
-)
-UPSTREAM_FAILURES = Counter(
-    "kvrouter_upstream_failures", "Upstream failures by backend and kind (connect, timeout, reset, status_5xx)",
-    ["backend", "kind"],
-)
-CLIENT_DISCONNECTS = Counter(
-    "kvrouter_client_disconnects", "Streams cancelled because the client went away (upstream cancelled)", ["backend"],
-)
-PREDICTED_HIT_RATIO = Histogram(
-    "kvrouter_predicted_hit_ratio", "predicted_cached_tokens / prompt tokens on the chosen backend",
-    ["model"], buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0),
-)
-MATCHED_BLOCKS = Histogram(
-    "kvrouter_matched_blocks", "Leading blocks the index held on the chosen backend", ["model"], buckets=_BLOCK_BUCKETS,
-)
-ZERO_BLOCK_REQUESTS = Counter(
-    "kvrouter_zero_block_requests",
-    "Requests with at least one full block that matched nothing on any backend (a silent-degradation alarm "
-    "when it approaches the request rate: wrong seed/algo/block size or dead event streams)",
-    ["model"],
-)
-TOKENIZE_SECONDS = Histogram("kvrouter_tokenize_seconds", "Prompt tokenization time", ["model"], buckets=LATENCY_BUCKETS)
-HASH_SECONDS = Histogram("kvrouter_hash_seconds", "Block hashing time", ["model"], buckets=LATENCY_BUCKETS)
-LOOKUP_SECONDS = Histogram("kvrouter_lookup_seconds", "Index lookup time", ["model"], buckets=LATENCY_BUCKETS)
-OVERHEAD_SECONDS = Histogram(
-    "kvrouter_overhead_seconds", "Router time from request body received to upstream request sent", ["model"],
-    buckets=LATENCY_BUCKETS,
-)
-BODY_SECONDS = Histogram(
-    "kvrouter_request_body_seconds",
-    "Time from request headers to the whole body received: the client's upload, kept out of the overhead",
-    buckets=LATENCY_BUCKETS,
-)
-TOKENIZER_FALLBACKS = Counter(
-    "kvrouter_tokenizer_fallbacks", "Requests tokenized remotely because local tokenization was unavailable or switched off",
-    ["model", "reason"],
-)
-
-COLD_PATH = Counter(
-    "kvrouter_cold_path",
-    "Long single-text prompts by what was tokenized before routing: history (a chat whose messages "
-    "start with a remembered history, sent on its keys before rendering), deferred (a cold prompt sent on "
-    "its first block), tail (a seen history sent on its cached ids, the new turn tokenized after), "
-    "seen (the segment cache holds all of it, or too little for a block: full path, inline), known "
-    "(block 0 held, recently routed or being tokenized: full path), busy (the background thread is "
-    "behind: full path), ineligible (length bound, probe found no whole block), disabled (tokenizer "
-    "not byte-level or a probe mismatch)",
-    ["model", "outcome"],
-)
+GAUGE_MERGE: dict[str, GaugeMerge] = {
+    "kvrouter_drain_in_flight_requests": operator.add,
+    "kvrouter_tokenizer_segment_cache_tokens": operator.add,  # router/segments.py
+    "kvrouter_hash_cache_blocks": operator.add,  # router/hash_cache.py
+    "kvrouter_tokenizer_remote": max,  # router/remote_tokenize.py: 1 when any worker switched
+}
+"""How ``serve --workers N`` merges the live workers' values of a gauge; a gauge not named
+here is shown per worker, with a ``pid`` label (the event streams' ``connected``)."""
+SERIES_PREFIX = "kvrouter_"
+"""A worker shares the families named so: the router's own, not the Python process's."""
 
 
-DRAIN_IN_FLIGHT = Gauge(
-    "kvrouter_drain_in_flight_requests",
-    "Requests in flight when the router began draining (SIGTERM); 0 before any drain",
-    multiprocess_mode="livesum",
-)
-DRAIN_CUT = Counter(
-    "kvrouter_drain_cut_requests",
-    "Requests still running at the drain deadline (router.drain_timeout_s), ended with a shutting_down error",
-)
-CONFIG_RELOADS = Counter(
-    "kvrouter_config_reloads",
-    "Config reloads (SIGHUP, or a changed file under --reload-config) by outcome: applied, unchanged, "
-    "invalid (the file did not load or validate), not_live (it changes what only a restart can: "
-    "models, tokenizers, router settings, index), busy (a removed backend is still draining), failed (an unexpected error: see the log)",
-    ["outcome"],
-)
+class RouterMetrics:
+    """The router's own series and their memoised label children, and how this process
+    exposes them: one per process (:func:`process_metrics`), on ``registry``.
+
+    Alone, ``/metrics`` is ``registry``'s page. A worker of ``serve --workers N``
+    (:meth:`publish`) also writes snapshots of its series for the other workers and
+    answers ``/metrics`` with every worker's merged (:mod:`router.worker_metrics`)."""
+
+    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
+        self.registry = registry
+        self.requests = Counter(
+            "kvrouter_requests", "Requests proxied, by model, backend, policy and final HTTP status",
+            ["model", "backend", "policy", "status"],
+            registry=registry,
+        )
+        self.rejected = Counter(
+            "kvrouter_rejected_requests", "Requests the router answered itself with an error, by status and code",
+            ["status", "code"],
+            registry=registry,
+        )
+        self.decisions = Counter(
+            "kvrouter_routing_decisions", "Routing decisions by model, policy and reason (cache_hit, load_guard, no_events, fallback, ...)",
+            ["model", "policy", "reason"],
+            registry=registry,
+        )
+        self.retries = Counter(
+            "kvrouter_upstream_retries", "Requests re-sent to another backend before the first byte, by the backend that failed and why",
+            ["backend", "reason"],
+            registry=registry,
+        )
+        self.upstream_failures = Counter(
+            "kvrouter_upstream_failures", "Upstream failures by backend and kind (connect, timeout, reset, status_5xx)",
+            ["backend", "kind"],
+            registry=registry,
+        )
+        self.client_disconnects = Counter(
+            "kvrouter_client_disconnects", "Streams cancelled because the client went away (upstream cancelled)", ["backend"],
+            registry=registry,
+        )
+        self.predicted_hit_ratio = Histogram(
+            "kvrouter_predicted_hit_ratio", "predicted_cached_tokens / prompt tokens on the chosen backend",
+            ["model"], buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0),
+            registry=registry,
+        )
+        self.matched_blocks = Histogram(
+            "kvrouter_matched_blocks", "Leading blocks the index held on the chosen backend", ["model"], buckets=_BLOCK_BUCKETS,
+            registry=registry,
+        )
+        self.zero_block_requests = Counter(
+            "kvrouter_zero_block_requests",
+            "Requests with at least one full block that matched nothing on any backend (a silent-degradation alarm "
+            "when it approaches the request rate: wrong seed/algo/block size or dead event streams)",
+            ["model"],
+            registry=registry,
+        )
+        self.tokenize_seconds = Histogram("kvrouter_tokenize_seconds", "Prompt tokenization time", ["model"], buckets=LATENCY_BUCKETS, registry=registry)
+        self.hash_seconds = Histogram("kvrouter_hash_seconds", "Block hashing time", ["model"], buckets=LATENCY_BUCKETS, registry=registry)
+        self.lookup_seconds = Histogram("kvrouter_lookup_seconds", "Index lookup time", ["model"], buckets=LATENCY_BUCKETS, registry=registry)
+        self.overhead_seconds = Histogram(
+            "kvrouter_overhead_seconds", "Router time from request body received to upstream request sent", ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.body_seconds = Histogram(
+            "kvrouter_request_body_seconds",
+            "Time from request headers to the whole body received: the client's upload, kept out of the overhead",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.tokenizer_fallbacks = Counter(
+            "kvrouter_tokenizer_fallbacks", "Requests tokenized remotely because local tokenization was unavailable or switched off",
+            ["model", "reason"],
+            registry=registry,
+        )
+        self.cold_path = Counter(
+            "kvrouter_cold_path",
+            "Long single-text prompts by what was tokenized before routing: history (a chat whose messages "
+            "start with a remembered history, sent on its keys before rendering), deferred (a cold prompt sent on "
+            "its first block), tail (a seen history sent on its cached ids, the new turn tokenized after), "
+            "seen (the segment cache holds all of it, or too little for a block: full path, inline), known "
+            "(block 0 held, recently routed or being tokenized: full path), busy (the background thread is "
+            "behind: full path), ineligible (length bound, probe found no whole block), disabled (tokenizer "
+            "not byte-level or a probe mismatch)",
+            ["model", "outcome"],
+            registry=registry,
+        )
+        self.drain_in_flight = Gauge(
+            "kvrouter_drain_in_flight_requests",
+            "Requests in flight when the router began draining (SIGTERM); 0 before any drain",
+            registry=registry,
+        )
+        self.drain_cut = Counter(
+            "kvrouter_drain_cut_requests",
+            "Requests still running at the drain deadline (router.drain_timeout_s), ended with a shutting_down error",
+            registry=registry,
+        )
+        self.config_reloads = Counter(
+            "kvrouter_config_reloads",
+            "Config reloads (SIGHUP, or a changed file under --reload-config) by outcome: applied, unchanged, "
+            "invalid (the file did not load or validate), not_live (it changes what only a restart can: "
+            "models, tokenizers, router settings, index), busy (a removed backend is still draining), failed (an unexpected error: see the log)",
+            ["outcome"],
+            registry=registry,
+        )
+        self.fleet_log_failures = Counter(
+            "kvrouter_fleet_log_failures",
+            "Fleet-state log operations between replicas that failed, by what (append, read, order: Redis down or "
+            "slow; decode: an entry that is not a batch of records)",
+            ["what"],
+            registry=registry,
+        )
+        self.fleet_log_delay = Histogram(
+            "kvrouter_fleet_log_delay_seconds",
+            "Age of another replica's fleet-state entry when this process folds it: how late it learns what the "
+            "others just routed",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.sequenced = Counter(
+            "kvrouter_sequenced_decisions",
+            "Decisions committed in the replicas' shared order, by outcome: first (no other replica committed "
+            "meanwhile), again (decided again after others' commits, same backend), moved (decided again, another "
+            "backend), failed (Redis down or slow: sent as decided alone)",
+            ["outcome"],
+            registry=registry,
+        )
+        self.sequence_seconds = Histogram(
+            "kvrouter_sequence_seconds",
+            "Time a decision spent in the replicas' shared order, by stage: wait (for this process's "
+            "earlier commits) and commit (its own tries, decisions made again included)",
+            ["stage"], buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.health_leader_gone = Counter(
+            "kvrouter_health_leader_gone",
+            "Times a worker of serve --workers found the health leader (worker 0) silent and began checking backends itself",
+            registry=registry,
+        )
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+        self._fleet: list[FleetCollector] = []
+        self.workers: WorkerSeries | None = None
+
+    def child(self, metric: Any, *labels: str) -> Any:
+        """``metric.labels(*labels)``, memoised: the hot path calls this several times per
+        request and prometheus-client's ``labels`` validates and locks on every call."""
+        key = (id(metric), labels)
+        c = self._children.get(key)
+        if c is None:
+            c = self._children[key] = metric.labels(*labels)
+        return c
+
+    def register_fleet(self, collector: FleetCollector) -> Callable[[], None]:
+        """Expose ``collector`` on ``/metrics``; returns the function that removes it.
+
+        A second router in the same process (tests) keeps the first one's fleet series."""
+        if self.workers is None:
+            try:
+                self.registry.register(collector)
+            except ValueError:
+                return lambda: None
+        self._fleet.append(collector)
+
+        def unregister() -> None:
+            if self.workers is None:
+                self.registry.unregister(collector)
+            self._fleet.remove(collector)
+
+        return unregister
+
+    def publish(self, directory: Path) -> None:
+        """Make this process a worker of ``serve --workers N`` that shares its series
+        through ``directory`` (the supervisor's, one for all workers). Call it before any
+        router registers its fleet collector."""
+        self.workers = WorkerSeries(directory, self._shared_series, GAUGE_MERGE)
+
+    def _shared_series(self) -> Iterator[Metric]:
+        """What a worker shares: the router's families (the default registry holds those of
+        the tokenizer's and index's modules too) and each router's event-stream series."""
+        for m in self.registry.collect():
+            if m.name.startswith(SERIES_PREFIX):
+                yield m
+        for fleet in list(self._fleet):
+            if fleet.stream_registry is not None:
+                yield from fleet.stream_registry.collect()
+
+    async def exposition(self) -> bytes:
+        """The ``/metrics`` page: ``registry``'s, or in a worker every worker's series merged
+        and this process's fleet gauges (see the module docstring)."""
+        if self.workers is None:
+            return generate_latest(self.registry)
+        merged = [*await self.workers.merged(), *(m for c in self._fleet for m in c.gauges())]
+        return generate_latest(_Listed(merged))
 
 
-FLEET_LOG_FAILURES = Counter(
-    "kvrouter_fleet_log_failures",
-    "Fleet-state log operations between replicas that failed, by what (append, read, order: Redis down or "
-    "slow; decode: an entry that is not a batch of records)",
-    ["what"],
-)
-FLEET_LOG_DELAY = Histogram(
-    "kvrouter_fleet_log_delay_seconds",
-    "Age of another replica's fleet-state entry when this process folds it: how late it learns what the "
-    "others just routed",
-    buckets=LATENCY_BUCKETS,
-)
-SEQUENCED = Counter(
-    "kvrouter_sequenced_decisions",
-    "Decisions committed in the replicas' shared order, by outcome: first (no other replica committed "
-    "meanwhile), again (decided again after others' commits, same backend), moved (decided again, another "
-    "backend), failed (Redis down or slow: sent as decided alone)",
-    ["outcome"],
-)
-SEQUENCE_SECONDS = Histogram(
-    "kvrouter_sequence_seconds",
-    "Time a decision spent in the replicas' shared order, by stage: wait (for this process's "
-    "earlier commits) and commit (its own tries, decisions made again included)",
-    ["stage"], buckets=LATENCY_BUCKETS,
-)
-HEALTH_LEADER_GONE = Counter(
-    "kvrouter_health_leader_gone",
-    "Times a worker of serve --workers found the health leader (worker 0) silent and began checking backends itself",
-)
+class _Listed(Collector):
+    def __init__(self, metrics: list[Metric]) -> None:
+        self.metrics = metrics
 
-
-_CHILDREN: dict[tuple[int, tuple[str, ...]], Any] = {}
-
-
-def child(metric: Any, *labels: str) -> Any:
-    """``metric.labels(*labels)``, memoised: the hot path calls this several times per
-    request and prometheus-client's ``labels`` validates and locks on every call."""
-    key = (id(metric), labels)
-    c = _CHILDREN.get(key)
-    if c is None:
-        c = _CHILDREN[key] = metric.labels(*labels)
-    return c
+    def collect(self) -> Iterator[Metric]:
+        return iter(self.metrics)
 
 
 class FleetCollector(Collector):
@@ -188,7 +277,15 @@ class FleetCollector(Collector):
         self.stream_registry = stream_registry
         self.background = background
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
+        yield from self.gauges()
+        if self.stream_registry is not None:
+            # The subscriber's counters (gaps, replays, connected, rehash mode, ...).
+            yield from self.stream_registry.collect()
+
+    def gauges(self) -> Iterator[Metric]:
+        """The fleet's series without the event subscriber's (a worker merges those with
+        the other workers')."""
         fams = {
             "healthy": GaugeMetricFamily("kvrouter_backend_healthy", "1 when the backend is routable", labels=["backend"]),
             "circuit": GaugeMetricFamily("kvrouter_backend_circuit_open", "1 while the circuit breaker is open", labels=["backend"]),
@@ -231,10 +328,6 @@ class FleetCollector(Collector):
             yield GaugeMetricFamily("kvrouter_workers", "Router worker processes (serve --workers)", value=float(self.ring.n_workers))
             yield CounterMetricFamily("kvrouter_worker_restarts", "Worker processes the supervisor restarted after they died",
                                       value=float(self.ring.restarts))
-        if self.stream_registry is not None and not multiprocess():
-            # The subscriber's counters (gaps, replays, connected, rehash mode, ...).
-            yield from self.stream_registry.collect()
-
 
     def _runtime(self) -> Iterator[GaugeMetricFamily]:
         """Counts that must stay flat over a long run (``kvrouter chaos --soak`` samples them):
@@ -278,51 +371,40 @@ class StreamView:
         return any(st.connected for w, st in self.stats().items() if w.backend in backends)
 
 
-_FLEET: list[FleetCollector] = []
+_PROCESS = RouterMetrics()
 
 
-def register_fleet(collector: FleetCollector) -> Callable[[], None]:
-    """Register ``collector`` on the default registry; returns the function that removes it.
-
-    A second router in the same process (tests) keeps the first one's fleet series."""
-    try:
-        REGISTRY.register(collector)
-    except ValueError:
-        return lambda: None
-    _FLEET.append(collector)
-
-    def unregister() -> None:
-        REGISTRY.unregister(collector)
-        _FLEET.remove(collector)
-
-    return unregister
+def process_metrics() -> RouterMetrics:
+    """This process's one :class:`RouterMetrics`."""
+    return _PROCESS
 
 
-def multiprocess() -> bool:
-    """Whether this process writes its series to ``PROMETHEUS_MULTIPROC_DIR`` (a worker)."""
-    return bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+child = _PROCESS.child
+register_fleet = _PROCESS.register_fleet
+exposition = _PROCESS.exposition
 
-
-class _Fleet(Collector):
-    def collect(self) -> Iterator[Any]:
-        for c in _FLEET:
-            yield from c.collect()
-
-
-async def exposition() -> bytes:
-    """The ``/metrics`` page: this process's registry, or with workers every worker's
-    series summed (see the module docstring). A worker writes its updates to its file in
-    batches (:mod:`router.metric_values`): this one flushes its own, then waits out one
-    flush period of the others, so the page holds everything counted before it was asked."""
-    if not multiprocess():
-        return generate_latest(REGISTRY)
-    from prometheus_client import multiprocess as mp
-
-    from router import metric_values
-
-    metric_values.flush()
-    await asyncio.sleep(2 * metric_values.FLUSH_S)
-    registry = CollectorRegistry()
-    mp.MultiProcessCollector(registry)
-    registry.register(_Fleet())
-    return generate_latest(registry)
+# The families by the names the modules that are not handed the object yet record through.
+REQUESTS = _PROCESS.requests
+REJECTED = _PROCESS.rejected
+DECISIONS = _PROCESS.decisions
+RETRIES = _PROCESS.retries
+UPSTREAM_FAILURES = _PROCESS.upstream_failures
+CLIENT_DISCONNECTS = _PROCESS.client_disconnects
+PREDICTED_HIT_RATIO = _PROCESS.predicted_hit_ratio
+MATCHED_BLOCKS = _PROCESS.matched_blocks
+ZERO_BLOCK_REQUESTS = _PROCESS.zero_block_requests
+TOKENIZE_SECONDS = _PROCESS.tokenize_seconds
+HASH_SECONDS = _PROCESS.hash_seconds
+LOOKUP_SECONDS = _PROCESS.lookup_seconds
+OVERHEAD_SECONDS = _PROCESS.overhead_seconds
+BODY_SECONDS = _PROCESS.body_seconds
+TOKENIZER_FALLBACKS = _PROCESS.tokenizer_fallbacks
+COLD_PATH = _PROCESS.cold_path
+DRAIN_IN_FLIGHT = _PROCESS.drain_in_flight
+DRAIN_CUT = _PROCESS.drain_cut
+CONFIG_RELOADS = _PROCESS.config_reloads
+FLEET_LOG_FAILURES = _PROCESS.fleet_log_failures
+FLEET_LOG_DELAY = _PROCESS.fleet_log_delay
+SEQUENCED = _PROCESS.sequenced
+SEQUENCE_SECONDS = _PROCESS.sequence_seconds
+HEALTH_LEADER_GONE = _PROCESS.health_leader_gone

@@ -220,6 +220,10 @@ def run(args: argparse.Namespace) -> int:
             return Supervisor(args, config, n).run()
     from router.app import create_app
 
+    if args.worker_index is not None:
+        from router.workers import METRICS_DIR
+
+        metrics.process_metrics().publish(Path(args.shared_dir) / METRICS_DIR)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until the router can reload (its default would end the process)
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     gc.set_threshold(GC_THRESHOLD_0)

@@ -27,10 +27,10 @@ without receiving connections.
 worker in shared memory, :mod:`router.fleet.ring`): each backend's load (every worker's
 tickets, so kv_aware weighs every request, not 1/N of them), the policies' recent
 decisions, and one health verdict per backend (worker 0 checks, the others follow). ``/metrics`` sums every worker's series
-(``PROMETHEUS_MULTIPROC_DIR``, set here before a worker starts: see
-:mod:`router.metrics`). Each worker follows the engines' KV-event streams itself with the
-in-memory index, or reads the Redis index ``kvrouter indexer`` fills: docs/scaling.md
-gives the measured costs of both.
+(through snapshots in the run directory's ``metrics/``: see :mod:`router.worker_metrics`).
+Each worker follows the engines' KV-event streams itself with the in-memory index, or
+reads the Redis index ``kvrouter indexer`` fills: docs/scaling.md gives the measured costs
+of both.
 
 **Signals.** SIGTERM: forwarded to every worker, each drains as a single router does
 (:mod:`router.server`), and the supervisor exits 0 once all of them exited 0. SIGINT
@@ -206,9 +206,8 @@ class Supervisor:
         return cmd
 
     def _spawn(self, i: int) -> None:
-        env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(self.rundir / METRICS_DIR)}
         self.ring.new_generation(i)
-        self.procs[i] = subprocess.Popen(self._command(i), env=env, stdin=subprocess.DEVNULL,
+        self.procs[i] = subprocess.Popen(self._command(i), stdin=subprocess.DEVNULL,
                                          preexec_fn=_worker_preexec)
         self.started_at[i] = time.monotonic()
         self.restart_at[i] = None
@@ -235,15 +234,8 @@ class Supervisor:
             time.sleep(POLL_S)
 
     def _exited(self, i: int, p: subprocess.Popen[bytes], code: int, now: float) -> None:
-        from prometheus_client import multiprocess as mp
-
         self.procs[i] = None
         self.ring.new_generation(i, restarted=self.stopping is None and code not in FATAL)  # its requests died with it
-        mp.mark_process_dead(p.pid, str(self.rundir / METRICS_DIR))
-        # Its per-process gauges (the event streams' "connected", with a pid label) would
-        # otherwise stay in every scrape as a worker that no longer exists.
-        for stale in (self.rundir / METRICS_DIR).glob(f"gauge_all_{p.pid}.db"):
-            stale.unlink(missing_ok=True)
         if self.stopping is not None:
             # Killed by the forwarded signal itself: it had not installed its handlers, so
             # it was still starting and served nothing.
