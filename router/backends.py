@@ -226,6 +226,7 @@ class BackendPool:
         self.fleet: FleetLog | None = None
         self.worker = 0
         self.workers = 1
+        self._started = time.monotonic()
         for m in config.models:
             for b in m.backends:
                 if b.name not in self.backends:
@@ -257,12 +258,13 @@ class BackendPool:
         return self.fleet is None or self.worker == 0
 
     def leader_gone(self) -> bool:
-        """Whether the leader has been silent longer than it would be had it lived on."""
+        """Whether the leader has been silent longer than it would be had it lived on (a
+        leader not heard from yet counts from this worker's start: it may be loading)."""
         if self.fleet is None:
             return False
         heard = self.fleet.state.heard(sender(0))
         late = 2 * self.settings.health_interval_s + health_timeout(self.settings.health_interval_s) + 1.0
-        return heard is None or time.monotonic() - heard > late
+        return time.monotonic() - (self._started if heard is None else heard) > late
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self._check(b) for b in self.backends.values()))
@@ -290,10 +292,9 @@ class BackendPool:
         silent (the verdicts are folded from the log as they come)."""
         checked = time.monotonic()  # core.Router.start has just checked every backend
         alone = False
-        started = checked
         while True:
             now = time.monotonic()
-            gone = not self.leader and now - started > FOLLOW_S * 20 and self.leader_gone()
+            gone = not self.leader and self.leader_gone()
             if not self.leader and gone != alone:
                 alone = gone
                 if alone:

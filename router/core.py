@@ -39,6 +39,7 @@ from router.background import MAX_SETTLING, Background
 from router.backends import BackendPool
 from router.config import Config
 from router.errors import NoHealthyBackend
+from router.gauges import FleetCollector
 from router.load import LoadTracker, scrape_forever
 from router.plans import Planner
 from router.prompt_ids import IdSource
@@ -75,7 +76,7 @@ class Router:
         self.settler = Settler(self.background, self.pool)
         self.streams = metrics.StreamView()
         self.stream_registry = CollectorRegistry(auto_describe=True)
-        """The subscriber's own series, exposed through :class:`metrics.FleetCollector` so
+        """The subscriber's own series, exposed through :class:`router.gauges.FleetCollector` so
         that several routers can live in one process (tests) without name clashes."""
         planner = Planner(
             IdSource(self.executor, self.pool, s.inline_tokenize_bytes),
@@ -138,7 +139,7 @@ class Router:
             if any(rt.has_events for rt in self.models):
                 self._tasks.append(asyncio.create_task(self._watch_index_feed()))
         self._unregister_metrics = metrics.register_fleet(
-            metrics.FleetCollector(self.pool, self.loads, self.streams.stats, self.stream_registry, self.background,
+            FleetCollector(self.pool, self.loads, self.streams.stats, self.stream_registry, self.background,
                                    self.ring)
         )
         self._share_fleet_state()

@@ -78,3 +78,57 @@ def test_the_request_path_modules_import_only_the_stages_before_them() -> None:
                    for imported, line in sorted(router_imports(path))
                    if imported in REQUEST_PATH and imported not in allowed]
     assert not breaks, "the request path's order (docs/architecture.md) is broken:\n" + "\n".join(breaks)
+
+
+def router_module_imports() -> dict[str, set[str]]:
+    """Every module under ``router/`` (dotted) -> the ``router`` modules it imports, type-only
+    imports included: a circle of imports is a tangle whether or not it runs."""
+    modules_by_name = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+                       for p in modules("router")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules_by_name.items():
+        found = {n for n, _ in imports(path) if n in modules_by_name}
+        graph[name] = found - {name}
+    return graph
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return circles
+
+
+def test_import_circles_are_found() -> None:
+    assert import_circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert import_circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_module_under_router_imports_itself_through_others() -> None:
+    circles = import_circles(router_module_imports())
+    assert not circles, "import circles under router/:\n" + "\n".join(", ".join(c) for c in circles)
