@@ -14,6 +14,13 @@ the cache-oblivious baseline, so every policy is offered the same load and a pol
 that reuses more cache simply has more headroom. For multi-turn workloads the scaling
 applies to session starts (think times are kept).
 
+``--sweep L1,L2,... --slo-ttft-p90-ms MS`` replays the workload once per policy at each
+load, multiples of round_robin's measured capacity (measured once, as for ``--target-load``)
+or of ``--rate-scale`` when given, and reports each policy's capacity at the SLO
+(:mod:`loadtest.capacity`): ``results.json`` gains ``sweep`` and ``capacity_at_slo``, the
+report a capacity table, and ``capacity.png`` the curves. Repeats go round every load and
+policy, so a slow spell on a shared machine lands on all of them alike.
+
 ``--peer vllm-router[:POLICY]`` adds the Rust ``vllm-router`` as one more column, on its
 own fresh fleet like every policy (``loadtest/peer.py``). It names no backend in its
 answers and has no kvrouter ``/metrics``: its per-backend counts come from the engines'
@@ -54,7 +61,7 @@ from typing import Any
 
 import httpx
 
-from loadtest import report, workloads
+from loadtest import capacity, report, workloads
 from loadtest.bench_replicas import Replicas, RouterShape, SpreadReplayer, parse_settings
 from loadtest.fleet import (
     EngineFleet,
@@ -253,7 +260,7 @@ class PolicyRun:
 
 
 def run_policy(workload: Workload, spec: FleetSpec | VllmSpec, policy: str, workdir: Path, *, speedup: float,
-               sample_interval_s: float, progress: bool, weights: dict[str, Any] | None = None,
+               sample_interval_s: float, bars: RunBars | None = None, weights: dict[str, Any] | None = None,
                live: VllmFleet | None = None, label: str | None = None,
                shape: RouterShape | None = None) -> PolicyRun:
     """One policy (kvrouter's, or a peer's ``vllm-router:POLICY``) on a fresh router and a fresh
@@ -270,7 +277,7 @@ def run_policy(workload: Workload, spec: FleetSpec | VllmSpec, policy: str, work
                     if isinstance(router, Replicas) else
                     Replayer(router.url, spec.model, speedup=speedup, time_scale=spec.speedup))
         cpu = _CpuMeter(_pids(router), _pids(fleet))
-        res = _run_with_progress(replayer, workload, sampler, label or policy, progress)
+        res = _run_with_progress(replayer, workload, sampler, label or policy, bars)
         cpu_ms = cpu.per_request_ms(len(res.records))
         # A peer has no /debug/route, and its /metrics proxies an engine's page.
         kvrouter = isinstance(router, (Router, Replicas))
@@ -376,8 +383,46 @@ def _engine_requests(engine_metrics: dict[str, dict[str, float]]) -> dict[str, i
     return {name: int(m.get("vllm:request_success_total", 0)) for name, m in sorted(engine_metrics.items())}
 
 
+class RunBars:
+    """The bench's progress display, one for the whole bench: a bar over every run it makes
+    (a sweep makes loads x policies x repeats of them) and one for the run in progress, so a
+    long sweep says how far it is, not only how far its current run is."""
+
+    def __init__(self, runs: int, requests: int) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.progress = Progress(TextColumn("[bold]{task.description:>28}"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn())
+        self.overall = self.progress.add_task(f"all {runs} runs", total=runs * requests) if runs > 1 else None
+
+    def __enter__(self) -> RunBars:
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.progress.stop()
+
+    def track(self, replayer: Replayer, label: str, total: int) -> Any:
+        """Advance this run's bar (and the overall one) on each request the replayer completes."""
+        task_id = self.progress.add_task(label, total=total)
+
+        def done(_: Any) -> None:
+            self.progress.update(task_id, advance=1)
+            if self.overall is not None:
+                self.progress.update(self.overall, advance=1)
+
+        replayer.on_done = done
+        return task_id
+
+    def finish(self, task_id: Any) -> None:
+        """A finished run's bar leaves the display when the overall bar counts it (a sweep would
+        otherwise stack one bar per run); a lone run's bar stays."""
+        if self.overall is not None:
+            self.progress.remove_task(task_id)
+
+
 def _run_with_progress(replayer: Replayer, workload: Workload, sampler: EngineSampler, label: str,
-                       progress: bool) -> ReplayResult:
+                       bars: RunBars | None) -> ReplayResult:
     async def go() -> ReplayResult:
         task = asyncio.ensure_future(replayer.run(workload))
         await asyncio.sleep(0)
@@ -387,14 +432,13 @@ def _run_with_progress(replayer: Replayer, workload: Workload, sampler: EngineSa
         finally:
             sampler.stop()
 
-    if not progress:
+    if bars is None:
         return asyncio.run(go())
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    with Progress(TextColumn(f"[bold]{label:>14}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()) as bar:
-        task_id = bar.add_task(label, total=workload.num_requests)
-        replayer.on_done = lambda rec: bar.update(task_id, advance=1)
+    task_id = bars.track(replayer, label, workload.num_requests)
+    try:
         return asyncio.run(go())
+    finally:
+        bars.finish(task_id)
 
 
 def _engine_ttft(res: ReplayResult, buckets: dict[float, float]) -> dict[str, float | None]:
@@ -451,7 +495,8 @@ class BenchOptions:
     policies: list[str]
     speedup: float
     target_load: float | None
-    rate_scale: float
+    rate_scale: float | None
+    """None: 1.0, or with a sweep, load 1.0 is round_robin's measured capacity."""
     sample_interval_s: float = 0.5
     progress: bool = True
     plot_prefix: str = ""
@@ -462,6 +507,10 @@ class BenchOptions:
     """Runs per policy; the report shows each figure's median (:func:`loadtest.report.median_run`)."""
     router: RouterShape = field(default_factory=RouterShape)
     """Workers, replicas and extra config of every kvrouter policy's router."""
+    sweep: list[float] | None = None
+    """Loads of a capacity sweep (multiples of load 1.0), increasing; None: one load."""
+    slo_ttft_p90_ms: float | None = None
+    """The sweep's client TTFT p90 target, engine ms (required with ``sweep``)."""
 
 
 def run_bench(opt: BenchOptions) -> dict[str, Any]:
@@ -486,48 +535,110 @@ def _run_bench(opt: BenchOptions, work: Path, console: Any, live: VllmFleet | No
     meta: dict[str, Any] = {"workload": wl.name, "requests": wl.num_requests, "backends": opt.spec.backends,
                             "fleet": "vllm" if live is not None else "sim",
                             "speedup": opt.speedup, "trace_rate_per_s": round(wl.arrival_rate, 3), **opt.router.meta()}
-    rate_scale = opt.rate_scale
     if opt.weights:
         meta["weights"] = opt.weights
-    if opt.target_load is not None:
-        if wl.arrival_rate <= 0:
-            raise WorkloadError("--target-load needs a workload whose requests are spread over time")
-        console.print("measuring fleet capacity (closed-loop saturation, round_robin) ...")
-        cap = measure_capacity(wl, opt.spec, work, live=live)
-        rate_scale = opt.target_load * cap.requests_per_s / wl.arrival_rate
-        meta.update({"capacity_req_per_s": round(cap.requests_per_s, 3), "capacity_concurrency": cap.concurrency,
-                     "target_load": opt.target_load})
-        console.print(f"capacity {cap.requests_per_s:.2f} req/s -> rate scale {rate_scale:.3f}")
-    meta["rate_scale"] = round(rate_scale, 4)
-    meta["offered_rate_per_s"] = round(wl.arrival_rate * rate_scale, 3)
-    scaled = wl.rate_scaled(rate_scale)
+    unit = _load_unit(opt, work, console, live, meta)
+    if opt.sweep is None:
+        points = [(opt.target_load, unit * (opt.target_load or 1.0))]
+        meta["rate_scale"] = round(points[0][1], 4)
+        meta["offered_rate_per_s"] = round(wl.arrival_rate * points[0][1], 3)
+    else:
+        points = [(load, unit * load) for load in opt.sweep]
+        meta.update({"sweep_loads": opt.sweep, "slo_ttft_p90_ms": opt.slo_ttft_p90_ms, "rate_scale": round(unit, 4),
+                     "load_unit_req_per_s": round(wl.arrival_rate * unit, 3)})
     ref = reference(wl, opt.spec)
     floor = percentiles(ref.ttft_floor_s)
     if opt.repeats > 1:
-        meta["repeats"] = f"{opt.repeats} per policy, interleaved; every figure is the median of its repeats"
+        meta["repeats"] = (f"{opt.repeats} per policy{' and load' if opt.sweep else ''}, interleaved; "
+                           "every figure is the median of its repeats")
     # By position, not name: a policy listed twice (a bench checking the cache reset) is two rows.
-    reps: list[list[dict[str, Any]]] = [[] for _ in opt.policies]
+    reps: list[list[list[dict[str, Any]]]] = [[[] for _ in opt.policies] for _ in points]
     traces: list[report.PolicyTrace | None] = [None] * len(opt.policies)
-    # Repeats go round the policies (1 2 3, 1 2 3, ...) rather than policy by policy, so a
-    # slow spell on a shared machine lands on every policy alike instead of on one.
-    for rep in range(opt.repeats):
-        rep_dir = work if opt.repeats == 1 else work / f"rep{rep + 1}"
-        for i, policy in enumerate(opt.policies):
-            label = policy if opt.repeats == 1 else f"{policy} ({rep + 1}/{opt.repeats})"
-            pr = run_policy(scaled, opt.spec, policy, rep_dir, speedup=opt.speedup, label=label,
-                            sample_interval_s=opt.sample_interval_s, progress=opt.progress, weights=opt.weights, live=live,
-                            shape=opt.router)
-            pr.result["ideal_cached_ratio"] = ref.cached_ratio
-            pr.result["ttft_floor_s"] = floor if ref.ttft_floor_s else None
-            reps[i].append(pr.result)
-            traces[i] = traces[i] or pr.trace  # the plots show the first repeat
-    runs = [report.median_run(r) for r in reps]
+    bars = RunBars(opt.repeats * len(points) * len(opt.policies), wl.num_requests) if opt.progress else None
+    # Repeats go round the loads and policies (1 2 3, 1 2 3, ...) rather than one by one, so a
+    # slow spell on a shared machine lands on every policy and load alike instead of on one.
+    with bars or contextlib.nullcontext():
+        for rep in range(opt.repeats):
+            rep_dir = work if opt.repeats == 1 else work / f"rep{rep + 1}"
+            for pi, (load, scale) in enumerate(points):
+                scaled = wl.rate_scaled(scale)
+                run_dir = rep_dir if opt.sweep is None else rep_dir / f"load{load:g}"
+                for i, policy in enumerate(opt.policies):
+                    label = policy + (f" @{load:g}x" if opt.sweep else "") + (
+                        f" ({rep + 1}/{opt.repeats})" if opt.repeats > 1 else "")
+                    pr = run_policy(scaled, opt.spec, policy, run_dir, speedup=opt.speedup, label=label,
+                                    sample_interval_s=opt.sample_interval_s, bars=bars, weights=opt.weights,
+                                    live=live, shape=opt.router)
+                    pr.result["ideal_cached_ratio"] = ref.cached_ratio
+                    pr.result["ttft_floor_s"] = floor if ref.ttft_floor_s else None
+                    reps[pi][i].append(pr.result)
+                    if opt.sweep is None:
+                        traces[i] = traces[i] or pr.trace  # the plots show the first repeat
+    title = opt.title or f"{wl.name}, {opt.spec.backends} engines"
+    if opt.sweep is not None:
+        return _write_sweep(opt, meta, points, reps, title)
+    runs = [report.median_run(r) for r in reps[0]]
     report.add_oracle_gains(runs)
     results = {"meta": meta, "runs": runs}
     (opt.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-    title = opt.title or f"{wl.name}, {opt.spec.backends} engines"
     plots = report.write_plots(opt.out, [t for t in traces if t is not None], title, ref.cached_ratio, opt.plot_prefix, floor=ref.ttft_floor_s)
     report.write_markdown(opt.out / "report.md", meta, runs, plots)
+    return results
+
+
+def _load_unit(opt: BenchOptions, work: Path, console: Any, live: VllmFleet | None, meta: dict[str, Any]) -> float:
+    """The rate scale of load 1.0: round_robin's measured capacity over the trace's arrival rate
+    (``--target-load``, or a sweep without ``--rate-scale``), else ``--rate-scale`` (default 1).
+
+    Measured once, under round_robin, so every policy at a load is offered the same rate and
+    a policy that reuses more cache simply has more headroom."""
+    wl = opt.workload
+    if opt.target_load is None and (opt.sweep is None or opt.rate_scale is not None):
+        return opt.rate_scale or 1.0
+    if wl.arrival_rate <= 0:
+        flag = "--target-load" if opt.target_load is not None else "--sweep"
+        raise WorkloadError(f"{flag} needs a workload whose requests are spread over time")
+    console.print("measuring fleet capacity (closed-loop saturation, round_robin) ...")
+    cap = measure_capacity(wl, opt.spec, work, live=live)
+    unit = cap.requests_per_s / wl.arrival_rate
+    meta.update({"capacity_req_per_s": round(cap.requests_per_s, 3), "capacity_concurrency": cap.concurrency})
+    if opt.target_load is not None:
+        meta["target_load"] = opt.target_load
+    console.print(f"capacity {cap.requests_per_s:.2f} req/s -> rate scale {unit * (opt.target_load or 1.0):.3f}"
+                  + (" at load 1.0" if opt.sweep else ""))
+    return unit
+
+
+def _write_sweep(opt: BenchOptions, meta: dict[str, Any], points: list[tuple[float | None, float]],
+                 reps: list[list[list[dict[str, Any]]]], title: str) -> dict[str, Any]:
+    """A sweep's results.json (``runs``: every policy at every load, each with its
+    ``target_load``; ``sweep``; ``capacity_at_slo``), report.md and capacity.png."""
+    assert opt.slo_ttft_p90_ms is not None
+    runs: list[dict[str, Any]] = []
+    sweep: list[dict[str, Any]] = []
+    spread: dict[str, list[tuple[float, float, float]]] = {}
+    for (load, scale), at_load in zip(points, reps):
+        assert load is not None
+        offered = opt.workload.arrival_rate * scale
+        at = [report.median_run(r) for r in at_load]
+        report.add_oracle_gains(at)
+        for r, rep_runs in zip(at, at_load):
+            r["target_load"] = load
+            r["offered_req_per_s"] = round(offered, 4)
+            p90s = [x["ttft_s"]["p90"] * 1000 for x in rep_runs if x["ttft_s"]["p90"] is not None]
+            if len(p90s) > 1:
+                spread.setdefault(r["policy"], []).append((offered, min(p90s), max(p90s)))
+        runs += at
+        sweep += [capacity.sweep_point(r, load, offered) for r in at]
+    cap = capacity.capacity_at_slo(sweep, opt.slo_ttft_p90_ms)
+    results = {"meta": meta, "runs": runs, "sweep": sweep, "capacity_at_slo": cap}
+    (opt.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    png = f"{opt.plot_prefix}capacity.png"
+    measured = "capacity_req_per_s" in meta
+    report.plot_capacity(sweep, cap, opt.out / png, title, load_unit=meta["load_unit_req_per_s"] or None,
+                         load_name="load (x round_robin's measured capacity)" if measured else
+                         f"load (x rate scale {meta['rate_scale']:g})", spread=spread)
+    report.write_sweep_markdown(opt.out / "report.md", meta, cap, sweep, runs, [png])
     return results
 
 
@@ -556,7 +667,13 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speedup", type=float, default=1.0, help="engines and trace clock both run X times faster")
     p.add_argument("--target-load", type=float, default=None,
                    help="offer this fraction of the fleet's measured capacity (e.g. 0.8)")
-    p.add_argument("--rate-scale", type=float, default=1.0, help="multiply the arrival rate (without --target-load)")
+    p.add_argument("--rate-scale", type=float, default=None,
+                   help="multiply the arrival rate (without --target-load; default 1); with --sweep, load 1.0")
+    p.add_argument("--sweep", default=None, metavar="L1,L2,...",
+                   help="capacity at SLO: replay at each load, multiples of round_robin's measured capacity (or of "
+                        "--rate-scale), e.g. 0.8,1.2,1.6,2.0,3.0; needs --slo-ttft-p90-ms")
+    p.add_argument("--slo-ttft-p90-ms", type=float, default=None, metavar="MS",
+                   help="the sweep's target: client TTFT p90 in engine ms, fixed before the run")
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks per engine (default: the simulator's)")
     p.add_argument("--cpu-offload-blocks", type=int, default=0, help="CPU KV tier per engine, blocks (default 0: GPU only)")
     p.add_argument("--model", default=None, help="served model name (default qwen3-sim, or qwen3-real)")
@@ -584,6 +701,14 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def options_from_args(args: argparse.Namespace) -> BenchOptions:
+    sweep = capacity.parse_loads(args.sweep) if args.sweep is not None else None
+    capacity.check_slo(args.slo_ttft_p90_ms, sweep)
+    if sweep is not None and args.target_load is not None:
+        raise WorkloadError("--sweep sets the loads itself (multiples of the measured capacity): drop --target-load")
+    if args.rate_scale is not None and args.target_load is not None:
+        raise WorkloadError("--rate-scale and --target-load both set the arrival rate: give one")
+    if args.rate_scale is not None and not args.rate_scale > 0:
+        raise WorkloadError(f"--rate-scale must be > 0, got {args.rate_scale}")
     path = args.trace or str(SAMPLE_TRACES[args.workload])
     fmt = args.format or (None if args.trace else args.workload)
     spec = _spec_from_args(args)  # before the workload: a wrong flag fails fast, not after tokenizing
@@ -607,7 +732,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
     return BenchOptions(Path(args.out), wl, spec, policies, args.speedup, args.target_load, args.rate_scale,
                         sample_interval_s=args.sample_interval, progress=not args.quiet,
                         plot_prefix=args.plot_prefix, weights=parse_weights(args.kv_weight), repeats=args.repeats,
-                        router=shape)
+                        router=shape, sweep=sweep, slo_ttft_p90_ms=args.slo_ttft_p90_ms)
 
 
 def _spec_from_args(args: argparse.Namespace) -> FleetSpec | VllmSpec:
@@ -652,8 +777,16 @@ def run(args: argparse.Namespace) -> int:
     except (WorkloadError, FleetError, ValueError) as e:
         Console(stderr=True).print(f"[red]error:[/red] {escape(str(e))}", soft_wrap=True)
         return 2
-    console.print(report.rich_table(results["runs"], f"{opt.workload.name}: {opt.spec.backends} engines"))
-    for line in report.comparison(results["runs"]):
-        console.print(line)
+    if "capacity_at_slo" in results:
+        cap = results["capacity_at_slo"]
+        console.print(report.capacity_table(cap, f"{opt.workload.name}: {opt.spec.backends} engines, capacity at "
+                                                 f"TTFT p90 ≤ {cap['slo_ttft_p90_ms']:g} ms"))
+        line = capacity.headline(cap)
+        if line:
+            console.print(line + ".")
+    else:
+        console.print(report.rich_table(results["runs"], f"{opt.workload.name}: {opt.spec.backends} engines"))
+        for line in report.comparison(results["runs"]):
+            console.print(line)
     console.print(f"report: {opt.out / 'report.md'}  results: {opt.out / 'results.json'}")
     return 0 if all(r["completed"] for r in results["runs"]) else 1

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from loadtest import capacity as cap_
 from loadtest.replay import RequestRecord
 
 
@@ -277,6 +278,73 @@ def write_markdown(path: Path, meta: dict[str, Any], runs: list[dict[str, Any]],
     path.write_text("\n".join(lines) + "\n")
 
 
+# -- capacity at SLO (a load sweep) ---------------------------------------------------------
+
+CAPACITY_COLUMNS = ("policy", "capacity at SLO req/s", "vs round_robin")
+SWEEP_COLUMNS = ("policy", "load", "offered req/s", "throughput req/s", "TTFT p50 ms", "TTFT p90 ms", "TTFT p99 ms",
+                 "engine TTFT p90 ms", "cached ratio", "errors")
+
+
+def capacity_rows(cap: dict[str, Any]) -> list[list[str]]:
+    """One row per policy of ``capacity_at_slo``: its capacity (``≥`` marks a lower bound) and its ratio to round_robin."""
+    return [[p, cap_.rate_text(cap[p]), _f(cap[p]["vs_round_robin"], ".2f") + ("x" * (cap[p]["vs_round_robin"] is not None))]
+            for p in cap_.policies_of(cap)]
+
+
+def sweep_rows(sweep: list[dict[str, Any]], slo_ms: float) -> list[list[str]]:
+    """The sweep point by point, grouped by policy; a TTFT p90 over the SLO (or a point that lost requests) is flagged."""
+    order = list(dict.fromkeys(p["policy"] for p in sweep))
+    rows = []
+    for policy in order:
+        for p in (x for x in sweep if x["policy"] == policy):
+            flag = "" if cap_.meets_slo(p, slo_ms) else " ✗"
+            rows.append([policy, f"{p['target_load']:g}x", _f(p["offered_req_per_s"], ",.2f"),
+                         _f(p["throughput_req_per_s"], ",.2f"), _f(p["ttft_p50_ms"], ",.0f"),
+                         _f(p["ttft_p90_ms"], ",.0f") + flag, _f(p["ttft_p99_ms"], ",.0f"),
+                         _f(p["engine_ttft_p90_ms"], ",.0f"), _f(p["cached_ratio"], ".3f"), str(p["errors"])])
+    return rows
+
+
+def _markdown(cols: tuple[str, ...], rows: list[list[str]]) -> list[str]:
+    return (["| " + " | ".join(cols) + " |", "|" + "|".join(["---"] + ["---:"] * (len(cols) - 1)) + "|"]
+            + ["| " + " | ".join(row) + " |" for row in rows])
+
+
+def capacity_table(cap: dict[str, Any], title: str) -> Any:
+    """The capacity table for the terminal (rich)."""
+    from rich.table import Table
+
+    t = Table(title=title)
+    for i, c in enumerate(CAPACITY_COLUMNS):
+        t.add_column(c, justify="left" if i == 0 else "right", no_wrap=i == 0)
+    for row in capacity_rows(cap):
+        t.add_row(*row)
+    return t
+
+
+def write_sweep_markdown(path: Path, meta: dict[str, Any], cap: dict[str, Any], sweep: list[dict[str, Any]],
+                         runs: list[dict[str, Any]], plots: list[str]) -> None:
+    """report.md of a sweep: the capacity table first (the answer), then the points it was read
+    from, then each load's full policy table (the figures a single-load bench reports)."""
+    slo = cap["slo_ttft_p90_ms"]
+    lines = [f"# kvrouter bench: {meta['workload']}, capacity at TTFT p90 ≤ {slo:g} ms", ""]
+    lines += [f"- {k}: {v}" for k, v in meta.items()]
+    lines += ["", "## Capacity at SLO", ""]
+    lines += _markdown(CAPACITY_COLUMNS, capacity_rows(cap))
+    lines += ["", "Capacity at SLO is the highest offered request rate whose client TTFT p90 stays within the SLO,",
+              "linearly interpolated between the two sweep points around the crossing; `≥` marks a policy that met",
+              "the SLO at the sweep's highest load (its capacity lies beyond the sweep), 0 one that met it at none.",
+              "A point that lost requests does not meet the SLO. Times are engine milliseconds.", ""]
+    lines += [f"![{p}]({p})" for p in plots]
+    lines += ["", "## Sweep", ""]
+    lines += _markdown(SWEEP_COLUMNS, sweep_rows(sweep, slo))
+    lines += ["", "✗: over the SLO, or requests lost.", ""]
+    for load in dict.fromkeys(r["target_load"] for r in runs):
+        at = [r for r in runs if r["target_load"] == load]
+        lines += [f"## At {load:g}x ({at[0]['offered_req_per_s']:,.2f} req/s offered)", "", markdown_table(at), ""]
+    path.write_text("\n".join(lines) + "\n")
+
+
 # -- plots --------------------------------------------------------------------------------
 
 
@@ -375,3 +443,104 @@ def write_plots(out: Path, traces: list[PolicyTrace], title: str, ideal: float |
     plot_backend_load(traces, out / names[1], title)
     plot_cached_ratio(traces, out / names[2], title, ideal)
     return names
+
+
+def plot_capacity(sweep: list[dict[str, Any]], cap: dict[str, Any], path: Path, title: str, *,
+                  load_unit: float | None = None, load_name: str = "load",
+                  spread: dict[str, list[tuple[float, float, float]]] | None = None) -> None:
+    """``capacity.png``: client TTFT p90 (log axis) against offered req/s, one line per policy,
+    the SLO as a horizontal line and each policy's capacity marked where it crosses it.
+
+    The picture routers are compared by: a line that stays under the SLO further to the right
+    serves more traffic on the same engines. ``load_unit`` (the req/s of load 1.0) adds the
+    load multiples as a top axis; ``spread`` (per policy, ``(offered, min, max)`` ms of the
+    repeats) shades what the medians hide."""
+    plt = _plt()
+    slo = cap["slo_ttft_p90_ms"]
+    fig, ax = plt.subplots(figsize=(8, 5))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, policy in enumerate(cap_.policies_of(cap)):
+        color = colors[i % len(colors)]
+        pts = sorted((p for p in sweep if p["policy"] == policy), key=lambda p: p["offered_req_per_s"])
+        xs = [p["offered_req_per_s"] for p in pts if p["ttft_p90_ms"] is not None]
+        ys = [p["ttft_p90_ms"] for p in pts if p["ttft_p90_ms"] is not None]
+        c = cap[policy]
+        ax.plot(xs, ys, marker="o", lw=2, color=color, label=f"{policy}: {cap_.rate_text(c)} req/s at SLO")
+        lost = [p for p in pts if p["errors"] and p["ttft_p90_ms"] is not None]
+        if lost:
+            ax.scatter([p["offered_req_per_s"] for p in lost], [p["ttft_p90_ms"] for p in lost], marker="x", s=80,
+                       color=color, zorder=3)
+        # A point where nothing was answered has no p90: an x on the top edge says it failed outright.
+        none = [p["offered_req_per_s"] for p in pts if p["ttft_p90_ms"] is None]
+        if none:
+            ax.scatter(none, [0.97] * len(none), marker="x", s=80, color=color, zorder=3, clip_on=False,
+                       transform=ax.get_xaxis_transform())
+        if spread and spread.get(policy):
+            band = sorted(spread[policy])
+            ax.fill_between([b[0] for b in band], [b[1] for b in band], [b[2] for b in band], color=color, alpha=0.12,
+                            lw=0)
+        if c["req_per_s"] > 0:
+            ax.plot([c["req_per_s"]], [slo], marker="v" if not c["lower_bound"] else ">", ms=10, color=color,
+                    markeredgecolor="black", zorder=4)
+    ax.axhline(slo, color="crimson", ls="--", lw=1.5, label=f"SLO: TTFT p90 ≤ {slo:g} ms")
+    _log_ms_axis(ax)
+    ax.set_xlabel("offered load (requests per engine-second)")
+    ax.set_ylabel("client TTFT p90 (ms, log scale)")
+    ax.set_title(f"Capacity at SLO: {title}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.set_xlim(left=0)
+    if load_unit:
+        top = ax.secondary_xaxis("top", functions=(lambda x: x / load_unit, lambda x: x * load_unit))
+        top.set_xlabel(load_name)
+    ax.legend(loc="best", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _log_ms_axis(ax: Any) -> None:
+    """A log y axis labelled in plain milliseconds (500, 1,000, 2,000), not powers of ten: an SLO is read in ms."""
+    from matplotlib import ticker
+
+    ax.set_yscale("log")
+    ax.yaxis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:,.0f}" if v >= 1 else f"{v:g}"))
+    ax.yaxis.set_minor_formatter(ticker.NullFormatter())
+
+
+def plot_ramp(steps: dict[str, list[Any]], slo_ms: float, path: Path, title: str) -> None:
+    """``ramp.png`` of a Locust step ramp: per policy, each step's TTFT p90 (log axis, the SLO as
+    a line) and the req/s its users achieved, against the step's user count, with the req/s
+    sustained within the SLO marked on each policy's line."""
+    plt = _plt()
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (policy, ss) in enumerate(steps.items()):
+        color = colors[i % len(colors)]
+        sustained = cap_.crossing([s.as_dict() for s in ss], slo_ms, rate="req_per_s")
+        c = {"req_per_s": sustained.req_per_s, "lower_bound": sustained.lower_bound}
+        answered = [s for s in ss if s.ttft_p90_ms is not None]
+        top.plot([s.users for s in answered], [s.ttft_p90_ms for s in answered], marker="o", lw=2, color=color,
+                 label=policy)
+        failed = [s.users for s in ss if s.ttft_p90_ms is None or s.errors]
+        if failed:
+            top.scatter(failed, [0.97] * len(failed), marker="x", s=80, color=color, clip_on=False,
+                        transform=top.get_xaxis_transform())
+        bottom.plot([s.users for s in ss], [s.req_per_s for s in ss], marker="o", lw=2, color=color,
+                    label=f"{policy}: {cap_.rate_text(c)} req/s within the SLO")
+        if sustained.req_per_s > 0:
+            bottom.axhline(sustained.req_per_s, color=color, ls=":", lw=1)
+    top.axhline(slo_ms, color="crimson", ls="--", lw=1.5, label=f"SLO: TTFT p90 ≤ {slo_ms:g} ms")
+    _log_ms_axis(top)
+    top.set_ylabel("TTFT p90 per step (ms, log scale)")
+    top.set_title(f"Step ramp: {title}")
+    top.legend(loc="best", fontsize=9)
+    bottom.set_ylabel("requests/s achieved")
+    bottom.set_xlabel("users (one step each)")
+    bottom.set_ylim(bottom=0)
+    bottom.legend(loc="best", fontsize=9)
+    for ax in (top, bottom):
+        ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
