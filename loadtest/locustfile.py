@@ -16,6 +16,10 @@ Every request streams. Each is reported twice: as ``POST <path>`` with the end-t
 time, and as ``TTFT <path>`` with the time to the first streamed chunk that carries
 output, so Locust's tables, charts and CSVs show TTFT as its own metric. Failed
 requests (HTTP error, error inside the stream, broken connection) fail both.
+
+To find the load where TTFT p90 crosses an SLO instead of running a fixed user count, load
+the step-load shape too: ``-f loadtest/locustfile.py,loadtest/locust_step.py`` (it reads the
+``TTFT`` events; see :mod:`loadtest.locust_step`).
 """
 
 from __future__ import annotations
