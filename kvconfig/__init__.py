@@ -25,11 +25,20 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 log = logging.getLogger(__name__)
 
 HashAlgo = Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]
-PolicyName = Literal[
-    "round_robin", "random", "least_loaded", "power_of_two", "session", "prefix_approx", "kv_aware",
-    # Simulator only (kvrouter bench): they read each engine's exact state (router/policies/oracle.py).
-    "oracle", "kv_aware+exact_load", "kv_aware+exact_cache", "kv_aware+exact",
-]
+POLICIES = ("round_robin", "random", "least_loaded", "power_of_two", "session", "prefix_approx", "kv_aware")
+"""The routing policies the router offers (:mod:`router.policies` builds them)."""
+POLICY_NAMES: set[str] = set(POLICIES)
+"""The names a config may give: :data:`POLICIES`, and those a module named in
+``KVROUTER_POLICY_MODULES`` registers (:func:`router.policies.register`: the bench's oracle)."""
+
+
+def _known_policy(v: str) -> str:
+    if v not in POLICY_NAMES:
+        raise ValueError(f"unknown policy {v!r}; one of {', '.join(sorted(POLICY_NAMES))}")
+    return v
+
+
+PolicyName = Annotated[str, AfterValidator(_known_policy)]
 
 
 class _Strict(BaseModel):
@@ -127,7 +136,8 @@ class Model(_Strict):
     backends: list[Backend] = Field(min_length=1)
     """The engines serving this model."""
     policy: PolicyName | None = None
-    """This model's routing policy (null: ``router.policy``)."""
+    """This model's routing policy, one of ``round_robin``, ``random``, ``least_loaded``, ``power_of_two``,
+    ``session``, ``prefix_approx``, ``kv_aware`` (null: ``router.policy``)."""
     tokenizer_mode: Literal["local", "remote", "auto"] = "local"
     """``local`` tokenizes in the router; ``remote`` asks an engine's ``/tokenize``; ``auto`` starts local and
     switches to remote when sampled parity checks keep mismatching."""
@@ -211,7 +221,8 @@ class RouterSettings(_Strict):
     port: int = Field(default=8080, ge=0, le=65535)
     """Port the router listens on (``kvrouter serve --port`` overrides)."""
     policy: PolicyName = "kv_aware"
-    """The routing policy of every model that names none (``kvrouter serve --policy`` overrides)."""
+    """The routing policy of every model that names none (``kvrouter serve --policy`` overrides): one of the
+    policies ``models[].policy`` lists."""
     weights: KvAwareWeights = KvAwareWeights()
     """The weights of kv_aware's cost and of the load guard prefix_approx shares."""
     api_key: ApiKey | None = None

@@ -88,7 +88,7 @@ from loadtest.replay import (
 )
 from loadtest.vllm_fleet import VllmFleet, VllmSpec
 from loadtest.workloads import Workload, WorkloadError
-from router.policies import EXACT_STATE_POLICIES
+from loadtest.policies import EXACT_STATE_POLICIES
 
 DEFAULT_POLICIES = "round_robin,least_loaded,kv_aware"
 SIM_DEFAULT_POLICIES = DEFAULT_POLICIES + ",oracle"

@@ -135,8 +135,8 @@ class Replicas:
             router["fleet_state"] = redis.url
             config["index"] = "memory"
         else:
-            path = self.workdir / "indexer.yaml"
-            path.write_text(yaml.safe_dump(config))
+            path = self.workdir / "indexer.yaml"  # the indexer routes nothing: a policy it knows
+            path.write_text(yaml.safe_dump({**config, "router": {**router, "policy": "kv_aware"}}))
             indexer = IndexerChild(path, self.workdir)
             self._stack.callback(indexer.stop)
             _wait_for_streams(f"http://127.0.0.1:{indexer.port}", len(self.fleet.engines), 10.0)

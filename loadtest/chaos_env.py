@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import yaml
 
-from loadtest.fleet import KVROUTER, Child, Engine, EngineFleet, FleetError, FleetSpec, free_port_run, wait_http
+from loadtest.fleet import KVROUTER, LAB_POLICIES, Child, Engine, EngineFleet, FleetError, FleetSpec, free_port_run, wait_http
 
 
 def _wait_port(port: int, timeout_s: float, child: Child) -> None:
@@ -221,7 +221,8 @@ class RouterChild(_Restartable):
         path.write_text(yaml.safe_dump(self.config))
         self.starts += 1
         args = [*KVROUTER, "serve", "--config", str(path), "--port", str(self.port), "--log-level", "info"]
-        self.child = _start_http(self.name, Child(self.name, args, self.workdir / f"{self.name}.{self.starts}.log"),
+        self.child = _start_http(self.name, Child(self.name, args, self.workdir / f"{self.name}.{self.starts}.log",
+                                                  LAB_POLICIES),
                                  self.url + "/health", timeout_s)
         return self
 

@@ -25,6 +25,9 @@ import yaml
 from loadtest.workloads import DEFAULT_TOKENIZER
 
 KVROUTER = [sys.executable, "-m", "router.cli"]
+LAB_POLICIES = {"KVROUTER_POLICY_MODULES": "loadtest.policies"}
+"""The environment of the routers the lab starts: they also offer the bench's exact-state
+policies (:mod:`loadtest.policies`), which a router in production does not."""
 REPO_ROOT = Path(__file__).resolve().parents[1]
 T = TypeVar("T")
 
@@ -385,7 +388,7 @@ class Router(_RouterProcess):
         cfg_path.write_text(yaml.safe_dump(self.fleet.router_config(self.policy, self.port, self.weights, self.workers,
                                                                  self.settings)))
         args = [*KVROUTER, "serve", "--config", str(cfg_path), "--port", str(self.port), "--policy", self.policy]
-        self.child = Child(f"router-{self.policy}", args, self.workdir / f"router-{self.policy}.log")
+        self.child = Child(f"router-{self.policy}", args, self.workdir / f"router-{self.policy}.log", LAB_POLICIES)
         return [self.url + "/health"]
 
     def _start(self, timeout_s: float) -> Self:

@@ -43,12 +43,13 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, get_args
+from typing import TYPE_CHECKING
 
 import uvicorn
 
 from router import metrics
-from router.config import Config, ConfigError, PolicyName, load_config
+from router.config import Config, ConfigError, load_config
+from router.policies import load_plugins, offered
 
 if TYPE_CHECKING:
     from router.core import Router
@@ -73,7 +74,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, help="fleet config (YAML)")
     parser.add_argument("--host", default=None, help="override router.host")
     parser.add_argument("--port", type=int, default=None, help="override router.port")
-    parser.add_argument("--policy", choices=get_args(PolicyName), default=None, help="override router.policy for every model")
+    load_plugins()
+    parser.add_argument("--policy", choices=offered(), default=None, help="override router.policy for every model")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--reload-config", action="store_true",
                         help="reload --config whenever the file changes (SIGHUP always reloads it): backends can be "

@@ -23,6 +23,7 @@ import pytest
 import yaml
 
 from indexer.hashing import BlockHasher
+from loadtest.fleet import LAB_POLICIES
 from loadtest.sim.engine import Engine, EngineConfig
 from loadtest.sim.generation import PlannedOutput
 from loadtest.sim.state import Prompt, snapshot
@@ -187,7 +188,7 @@ def test_concurrent_questions_see_each_other_in_transit(sim_fleet) -> None:
     """Two decisions arriving within one round trip: the second question must carry the first
     prompt, sent by then, as in transit (the router sends right after ``ask`` returns, with no
     await between). Asked in parallel, both saw an idle engine and piled onto it."""
-    from router.policies.engine_state import SideChannel
+    from loadtest.policies.engine_state import SideChannel
 
     sim = sim_fleet("--debug-state")
 
@@ -228,7 +229,8 @@ def _serve(sim: Any, policy: str, tmp_path: Path) -> Proc:
     path = tmp_path / f"router-{policy}.yaml"
     path.write_text(yaml.safe_dump(_router_config(sim, policy)))
     port = free_port()
-    proc = Proc(KVROUTER + ["serve", "--config", str(path), "--port", str(port)], tmp_path / f"router-{policy}.log")
+    proc = Proc(KVROUTER + ["serve", "--config", str(path), "--port", str(port)], tmp_path / f"router-{policy}.log",
+                LAB_POLICIES)
     proc.url = f"http://127.0.0.1:{port}"  # type: ignore[attr-defined]
     return proc
 
@@ -363,3 +365,19 @@ def test_bench_runs_the_oracle_and_reports_each_policys_share_of_its_gain(tmp_pa
         assert oracle["oracle_gain"]["engine_ttft_p90"] == 1.0 and runs["round_robin"]["oracle_gain"]["engine_ttft_p90"] == 0.0
     md = (out / "report.md").read_text()
     assert "of oracle gain" in md and "| oracle |" in md and "- oracle: oracle " in md
+
+
+def test_a_production_router_offers_no_exact_state_policy(tmp_path: Path) -> None:
+    """``kvrouter serve`` lists only the policies that route real engines; a config naming the
+    bench's oracle is refused at start with the key and the policies on offer."""
+    out = subprocess.run([*KVROUTER, "serve", "--help"], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert out.returncode == 0 and "kv_aware" in out.stdout, out.stderr
+    assert "oracle" not in out.stdout and "exact" not in out.stdout, out.stdout
+    path = tmp_path / "oracle.yaml"
+    path.write_text(yaml.safe_dump({"models": [{"name": "m", "tokenizer": str(QWEN3_DIR),
+                                                "backends": [{"name": "a", "url": "http://127.0.0.1:9"}]}],
+                                    "router": {"policy": "oracle"}}))
+    out = subprocess.run([*KVROUTER, "serve", "--config", str(path), "--port", str(free_port())],
+                         capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert out.returncode == 2, out.stderr
+    assert "router.policy" in out.stderr and "unknown policy 'oracle'" in out.stderr and "kv_aware" in out.stderr

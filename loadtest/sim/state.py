@@ -2,7 +2,7 @@
 
 A router knows an engine through KV events that trail the step that caused them and
 through its own count of what it sent. The bench's ``oracle`` policy and the
-``kv_aware+exact_*`` ablations (:mod:`router.policies.oracle`) instead ask every engine,
+``kv_aware+exact_*`` ablations (:mod:`loadtest.policies.oracle`) instead ask every engine,
 for the prompt being routed, what the simulator knows exactly. Served only with
 ``kvrouter sim --debug-state`` (``POST /debug/state``), which the bench passes for
 those policies and nothing else does: a real vLLM has no such endpoint, so those

@@ -1,74 +1,136 @@
-"""Routing policies: one module each, behind :class:`router.policies.base.Policy`."""
+"""Routing policies: one module each, behind :class:`router.policies.base.Policy`, built by name.
+
+The router offers the policies of :data:`kvconfig.POLICIES`. Others plug in through
+:func:`register`, from a module named in the ``KVROUTER_POLICY_MODULES`` variable (comma
+separated, imported at start): that is how the bench adds its oracle and the
+``kv_aware+exact*`` ablations (:mod:`loadtest.policies`), which read the simulator's exact
+state and never route real engines.
+"""
 
 from __future__ import annotations
 
-from router.config import Config, Model, PolicyName, RouterSettings
+import importlib
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import kvconfig
+from router.config import Config, Model, RouterSettings
 from router.policies.approx_index import ApproxPrefixIndex
 from router.policies.base import Policy
 from router.policies.shares import Shares
 
-EXACT_STATE_POLICIES = ("oracle", "kv_aware+exact_load", "kv_aware+exact_cache", "kv_aware+exact")
-"""Policies that read each engine's exact state through the simulator's side channel
-(:mod:`router.policies.oracle`): the bench's reference, never a way to route real engines."""
+
+@dataclass(frozen=True, slots=True)
+class Parts:
+    """What a policy is built from: the config, its model, and the model's prefix memory and
+    request share (collaborators the router also feeds every process's decisions into:
+    :mod:`router.fleet.log`)."""
+
+    config: Config
+    model: Model | None
+    memory: ApproxPrefixIndex
+    shares: Shares
 
 
-def memory_ttl(name: PolicyName, settings: RouterSettings) -> float:
-    """How long policy ``name`` remembers where the router sent a prefix (0: it does not)."""
-    if name == "prefix_approx":
-        return settings.prefix_ttl_s
-    if name == "kv_aware" or name.startswith("kv_aware+"):
-        return settings.weights.speculative_ttl_s
-    return 0.0
+@dataclass(frozen=True, slots=True)
+class Entry:
+    build: Callable[[Parts], Policy]
+    memory_ttl: Callable[[RouterSettings], float] = lambda _: 0.0
+    """How long the policy remembers where the router sent a prefix (0: it does not)."""
 
 
-def make_policy(name: PolicyName, config: Config, model: Model | None = None, memory: ApproxPrefixIndex | None = None,
+_REGISTRY: dict[str, Entry] = {}
+
+
+def register(name: str, entry: Entry) -> None:
+    """Offer policy ``name`` (a config may then name it)."""
+    _REGISTRY[name] = entry
+    kvconfig.POLICY_NAMES.add(name)
+
+
+def load_plugins() -> None:
+    """Import the modules ``KVROUTER_POLICY_MODULES`` names (each calls :func:`register`)."""
+    for module in filter(None, (m.strip() for m in os.environ.get("KVROUTER_POLICY_MODULES", "").split(","))):
+        importlib.import_module(module)
+
+
+def offered() -> list[str]:
+    """Every policy a config may name, the router's own first."""
+    return [*kvconfig.POLICIES, *sorted(set(_REGISTRY) - set(kvconfig.POLICIES))]
+
+
+def memory_ttl(name: str, settings: RouterSettings) -> float:
+    return _REGISTRY[name].memory_ttl(settings)
+
+
+def make_policy(name: str, config: Config, model: Model | None = None, memory: ApproxPrefixIndex | None = None,
                 shares: Shares | None = None) -> Policy:
-    """A fresh policy instance for ``model`` (the exact-state policies ask its backends),
-    with the model's prefix memory and request share: collaborators the router also
-    feeds the other processes' decisions into (:mod:`router.fleet.log`). Fresh ones when
-    not given."""
+    """A fresh policy instance for ``model``, with the model's prefix memory and request
+    share (fresh ones when not given)."""
+    entry = _REGISTRY.get(name)
+    if entry is None:
+        raise ValueError(f"unknown policy {name!r}; one of {', '.join(sorted(_REGISTRY))}")
     settings = config.router
     if memory is None:
-        memory = ApproxPrefixIndex(memory_ttl(name, settings), settings.prefix_max_blocks)
-    if shares is None:
-        shares = Shares(settings.weights.share_window)
-    if name in EXACT_STATE_POLICIES:
-        from router.policies.engine_state import SideChannel
-        from router.policies.oracle import KvAwareExact, Oracle
+        memory = ApproxPrefixIndex(entry.memory_ttl(settings), settings.prefix_max_blocks)
+    return entry.build(Parts(config, model, memory, shares or Shares(settings.weights.share_window)))
 
-        if model is None:
-            raise ValueError(f"policy {name} needs the model whose backends it asks")
-        channel = SideChannel({b.name: b.url for b in model.backends})
-        if name == "oracle":
-            return Oracle(channel)
-        return KvAwareExact(settings.weights, memory, shares, channel,
-                            load=name != "kv_aware+exact_cache", cache=name != "kv_aware+exact_load")
-    if name == "round_robin":
-        from router.policies.round_robin import RoundRobin
 
-        return RoundRobin()
-    if name == "random":
-        from router.policies.random import RandomPolicy
+def _round_robin(_: Parts) -> Policy:
+    from router.policies.round_robin import RoundRobin
 
-        return RandomPolicy()
-    if name == "least_loaded":
-        from router.policies.least_loaded import LeastLoaded
+    return RoundRobin()
 
-        return LeastLoaded()
-    if name == "power_of_two":
-        from router.policies.power_of_two import PowerOfTwo
 
-        return PowerOfTwo()
-    if name == "session":
-        from router.policies.session import SessionAffinity
+def _random(_: Parts) -> Policy:
+    from router.policies.random import RandomPolicy
 
-        return SessionAffinity()
-    if name == "prefix_approx":
-        from router.policies.prefix_approx import PrefixApprox
+    return RandomPolicy()
 
-        return PrefixApprox(memory, settings.weights)
-    if name == "kv_aware":
-        from router.policies.kv_aware import KvAware
 
-        return KvAware(settings.weights, memory, shares)
-    raise ValueError(f"unknown policy {name!r}")
+def _least_loaded(_: Parts) -> Policy:
+    from router.policies.least_loaded import LeastLoaded
+
+    return LeastLoaded()
+
+
+def _power_of_two(_: Parts) -> Policy:
+    from router.policies.power_of_two import PowerOfTwo
+
+    return PowerOfTwo()
+
+
+def _session(_: Parts) -> Policy:
+    from router.policies.session import SessionAffinity
+
+    return SessionAffinity()
+
+
+def _prefix_approx(p: Parts) -> Policy:
+    from router.policies.prefix_approx import PrefixApprox
+
+    return PrefixApprox(p.memory, p.config.router.weights)
+
+
+def _kv_aware(p: Parts) -> Policy:
+    from router.policies.kv_aware import KvAware
+
+    return KvAware(p.config.router.weights, p.memory, p.shares)
+
+
+def speculative_ttl(settings: RouterSettings) -> float:
+    return settings.weights.speculative_ttl_s
+
+
+for _name, _entry in {
+    "round_robin": Entry(_round_robin),
+    "random": Entry(_random),
+    "least_loaded": Entry(_least_loaded),
+    "power_of_two": Entry(_power_of_two),
+    "session": Entry(_session),
+    "prefix_approx": Entry(_prefix_approx, lambda s: s.prefix_ttl_s),
+    "kv_aware": Entry(_kv_aware, speculative_ttl),
+}.items():
+    register(_name, _entry)
+assert set(_REGISTRY) == set(kvconfig.POLICIES), "router.policies builds exactly kvconfig.POLICIES"

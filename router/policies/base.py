@@ -92,7 +92,7 @@ class PrefixMemory(Protocol):
 @runtime_checkable
 class ReadsEngineState(Protocol):
     """What a policy that reads every engine's exact state adds (the bench's ``oracle`` and
-    ``kv_aware+exact*``, simulator only: :mod:`router.policies.engine_state`). ``start``
+    ``kv_aware+exact*``, simulator only: :mod:`loadtest.policies.engine_state`). ``start``
     fails when a backend does not serve the simulator's side channel; ``observe`` asks the
     engines about the request just before ``choose`` (``token_ids`` may be empty)."""
 

@@ -7,7 +7,7 @@ sim --debug-state`` answers ``POST /debug/state`` (:mod:`loadtest.sim.state`): f
 prompt being routed, the engine's exact cached prefix, its queue in
 :class:`router.load.BackendLoad`'s terms, and the TTFT its own scheduler and latency
 model predict for the prompt. :class:`SideChannel` is the client the bench's ``oracle``
-and ``kv_aware+exact*`` policies (:mod:`router.policies.oracle`) ask it through.
+and ``kv_aware+exact*`` policies (:mod:`loadtest.policies.oracle`) ask it through.
 
 Those policies exist to measure routing in the simulator, never to route real engines:
 :meth:`SideChannel.start` checks that every backend serves the channel and refuses to

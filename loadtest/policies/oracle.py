@@ -26,7 +26,7 @@ policy                        load                                   cache view
 events, unseen load). ``kv_aware+exact`` to ``oracle``: same information, the cost
 function against the engine's real scheduler.
 
-They reach the engines through :class:`router.policies.engine_state.SideChannel`, which
+They reach the engines through :class:`loadtest.policies.engine_state.SideChannel`, which
 refuses to start against backends that do not serve it (a real vLLM).
 """
 
@@ -38,7 +38,7 @@ from typing import Any
 from router.config import KvAwareWeights
 from router.policies.approx_index import ApproxPrefixIndex
 from router.policies.base import UNROUTABLE, Candidate, Decision, RequestCtx, by_score, healthy, mark_unroutable
-from router.policies.engine_state import EngineState, SideChannel
+from loadtest.policies.engine_state import EngineState, SideChannel
 from router.policies.kv_aware import KvAware
 from router.policies.shares import Shares
 
