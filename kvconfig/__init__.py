@@ -141,10 +141,6 @@ class Model(_Strict):
     tokenizer_mode: Literal["local", "remote", "auto"] = "local"
     """``local`` tokenizes in the router; ``remote`` asks an engine's ``/tokenize``; ``auto`` starts local and
     switches to remote when sampled parity checks keep mismatching."""
-    parity_sample_rate: float = Field(default=0.01, ge=0.0, le=1.0)
-    """Fraction of requests whose local token ids are compared with an engine's ``/tokenize`` (counted in
-    ``/metrics``)."""
-
     @field_validator("hash_seed", mode="before")
     @classmethod
     def _seed_is_string(cls, v: object) -> object:
@@ -170,47 +166,19 @@ class KvAwareWeights(_Strict):
     Mooncake bench that made kv_aware balance KV memory instead of queued prefill and
     lost to least_loaded on TTFT (engine TTFT p90 1.67 s vs 0.95 s at 0.1), because a
     step's cost grows ~1000x less per held block than per prefilled token."""
-    context: float = Field(default=0.0, ge=0.0)
-    """Per prompt block of every in-flight request (a shared prefix counts once per request):
-    decode attention reads each request's whole context every step, which ``decode``'s
-    unique blocks do not see when many requests share a prefix. Off by default."""
     cpu_tier: float = Field(default=0.5, ge=0.0, le=1.0)
     """What a block found in an engine's CPU tier saves, relative to one on the GPU."""
     storage_tier: float = Field(default=0.25, ge=0.0, le=1.0)
     """What a block found in an engine's storage tier saves, relative to one on the GPU."""
-    temperature: float = Field(default=0.0, ge=0.0)
-    """0 picks the cheapest backend; above 0, a softmax over normalised costs samples among near-equal
-    ones."""
-    imbalance_ratio: float = Field(default=1.25, ge=1.0)
-    """Load guard: the chosen backend counts as overloaded above this many times the least loaded one's
-    requests in flight, plus ``imbalance_slack``."""
-    imbalance_slack: int = Field(default=4, ge=0)
-    """Load guard: requests in flight allowed beyond ``imbalance_ratio`` before it acts."""
-    guard_min_saving: float = Field(default=0.5, ge=0.0, le=1.0)
-    """Load guard: an overloaded choice stands only if its cache saves at least this fraction of the prompt
-    over the least-loaded backend."""
     speculative_ttl_s: float = Field(default=2.0, ge=0.0)
     """How long a prefix just sent to a backend counts as cached there, in seconds, before the engine's events
     confirm it (0: off)."""
     share_cap: float = Field(default=1.2, ge=0.0)
-    """Request-share cap (0: off). When the cheapest backend took more than this many times
-    its fair share of the model's recent decisions (the last ~``share_window`` of the whole
-    router: every worker's and replica's requests count), a request
-    goes to the cheapest backend under its fair share (while the fleet has a request in flight
-    per backend or more) if that costs at most
-    ``share_cap_tokens`` more (in prefill tokens). A session follows its cache, so whichever
-    backend holds a popular system prompt or a few long sessions gets most of the requests
-    while no single decision looks wrong; this moves the cheap ones (new sessions on a shared
-    prefix, short histories) and leaves long contexts where they are cached.
-
-    Set on the mixed workload's tuning seeds 0-2 (docs/benchmarks.md, "Share cap"): max/mean
-    requests per engine 1.21-1.53 without it, 1.09-1.15 at 1.2 with 4,096 tokens (engine TTFT
-    p90 +3% to +10%); at 2,048 tokens a burst of agent sessions over a 2k-token shared prompt
-    still piled up (1.44 in one run)."""
-    share_window: int = Field(default=128, ge=2)
-    """Decisions the share is measured over (exponential decay): ~1/2 of a 300-request run."""
-    share_cap_tokens: int = Field(default=4096, ge=0)
-    """The most prefill tokens, in kv_aware's cost, a move under the cap may add."""
+    """Request-share cap (0: off). When the cheapest backend took more than this many times its fair share
+    of the model's recent decisions (every worker's and replica's count), a cheap request (a new session on
+    a shared prefix, a short history) goes to a backend under its fair share instead, while the fleet is
+    busy; long contexts stay where they are cached. A session follows its cache, so whichever backend holds
+    a popular system prompt or a few long sessions otherwise gets most of the requests."""
 
 
 class RouterSettings(_Strict):
@@ -269,26 +237,11 @@ class RouterSettings(_Strict):
     request decides."""
     max_connections_per_backend: int = Field(default=512, ge=1)
     """Most connections open to one engine at once (each request in flight holds one)."""
-    inline_tokenize_bytes: int = Field(default=2048, ge=0)
-    """Bodies, and a prompt's uncached text, up to this many bytes are tokenized at once on the event loop;
-    only longer cold prompts are deferred (``defer_cold_prompts``)."""
     segment_cache_tokens: int = Field(default=8_000_000, ge=0)
     """Token ids the tokenizer's segment cache keeps per tokenizer (router/segments.py), oldest
     dropped first: ~35 bytes each, ~280 MB at the default when full (a chat soak's RSS grows
     toward it for hours; kvrouter_tokenizer_segment_cache_tokens shows the fill). 0 keeps
     nothing: every segment is tokenized anew."""
-    hash_cache_blocks: int = Field(default=500_000, ge=16)
-    """Blocks whose hashes the prefix hash cache keeps per model (router/hash_cache.py),
-    oldest dropped first: ~18 bytes each, ~9 MB at the default."""
-    defer_cold_prompts: bool = True
-    """Send a prompt whose first block nobody holds before tokenizing all of it; the
-    full tokenization finishes in the background (router/cold.py)."""
-    history_memo: bool = True
-    """Route a chat request whose messages start with messages already tokenized on the
-    block keys remembered for them, before rendering it (router/history.py). Needs
-    ``defer_cold_prompts``. Under a configured ``max_model_len`` the template is still
-    rendered (the limit needs a length bound before the request is sent), but not
-    scanned or hashed."""
     subscribe_events: bool | None = None
     """Follow the backends' KV-event streams in this process. Default: yes with the
     in-memory index, no with Redis (the standalone ``kvrouter indexer`` fills it)."""

@@ -752,7 +752,7 @@ def _spec_from_args(args: argparse.Namespace) -> FleetSpec | VllmSpec:
 
 
 def parse_weights(items: list[str]) -> dict[str, Any] | None:
-    """``["decode=0", "guard_min_saving=0.8"]`` -> validated kv_aware weights (only those given)."""
+    """``["decode=0", "share_cap=0.8"]`` -> validated kv_aware weights (only those given)."""
     from pydantic import ValidationError
 
     from router.config import KvAwareWeights

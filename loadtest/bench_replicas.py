@@ -66,7 +66,7 @@ class RouterShape:
 
 
 def parse_settings(items: list[str]) -> dict[str, Any]:
-    """``["defer_cold_prompts=false"]`` -> router keys, each checked by the config's own model.
+    """``["expose_decision_headers=true"]`` -> router keys, each checked by the config's own model.
 
     Values are read as YAML scalars (``false``, ``0.5``, ``abc``), as the config file would
     read them; keys the bench sets itself (policy, workers, port, host, weights) have flags

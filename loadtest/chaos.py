@@ -84,7 +84,9 @@ class ChaosOptions:
     workload: MixedSpec = field(default_factory=chaos_spec)
     quiet: bool = False
     router_settings: dict[str, Any] = field(default_factory=dict)
-    """Extra ``router:`` settings for every router started (the soak bounds its hash cache)."""
+    """Extra ``router:`` settings for every router started."""
+    router_tuning: dict[str, Any] = field(default_factory=dict)
+    """The lab's knobs for every router started (router/tuning.py: the soak bounds its hash cache)."""
 
 
 DEFAULT_SIM_ARGS = ("--max-num-seqs", "4", "--step-overhead-ms", "100", "--num-blocks", "2048")
@@ -259,7 +261,7 @@ def environment(opt: ChaosOptions, workdir: Path, routers: int, redis: bool, rel
             stack.callback(indexer.stop)
         started = []
         for i in range(routers):
-            r = RouterChild(f"router-{i}", config, workdir)
+            r = RouterChild(f"router-{i}", config, workdir, opt.router_tuning)
             stack.callback(r.stop)
             started.append(r.start())
         if not redis:

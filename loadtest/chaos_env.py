@@ -11,6 +11,7 @@ children too, for the same reason. Every child goes through :class:`loadtest.fle
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -197,8 +198,10 @@ class _Restartable:
 class RouterChild(_Restartable):
     """``kvrouter serve`` on a fixed port (a killed replica comes back on it), config as YAML."""
 
-    def __init__(self, name: str, config: dict[str, Any], workdir: Path) -> None:
+    def __init__(self, name: str, config: dict[str, Any], workdir: Path, tuning: dict[str, Any] | None = None) -> None:
+        """``tuning``: the lab's knobs (router/tuning.py), passed as ``--tuning``."""
         self.name = name
+        self.tuning = tuning
         self.port = free_port_run(1)
         # One process per router unless the config asks for workers: chaos reads one
         # router's /debug/index and health timeline.
@@ -221,6 +224,8 @@ class RouterChild(_Restartable):
         path.write_text(yaml.safe_dump(self.config))
         self.starts += 1
         args = [*KVROUTER, "serve", "--config", str(path), "--port", str(self.port), "--log-level", "info"]
+        if self.tuning:
+            args += ["--tuning", json.dumps(self.tuning)]
         self.child = _start_http(self.name, Child(self.name, args, self.workdir / f"{self.name}.{self.starts}.log",
                                                   LAB_POLICIES),
                                  self.url + "/health", timeout_s)

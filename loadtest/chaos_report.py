@@ -141,7 +141,7 @@ def _soak_fill_lines(doc: dict[str, Any]) -> list[str]:
     if filled is None:
         return [f"The router's prefix hash cache (bound {bound:,} blocks) never filled: its growth is part of "
                 "the slopes above, a bounded cache filling, not a leak only if it stops at the bound.", ""]
-    line = f"The router's prefix hash cache (`router.hash_cache_blocks` {bound:,}) was full from {filled:.0f} s"
+    line = f"The router's prefix hash cache (bounded at {bound:,} blocks) was full from {filled:.0f} s"
     if not doc.get("slopes_after_fill"):
         return [line + ", within the warm-up: the fits see it at its bound.", ""]
     return [line + ", after the warm-up; fitted from then:", "", soak_table(doc, "slopes_after_fill"), ""]

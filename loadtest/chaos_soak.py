@@ -65,7 +65,7 @@ RSS growing with it, toward ``router.segment_cache_tokens``, is a bounded cache 
 SOAK_HASH_CACHE_BLOCKS = 32_768
 """The soak router's ``hash_cache_blocks``: full after ~5 minutes of soak traffic."""
 ROUTER_DEFAULT_HASH_CACHE_BLOCKS = 500_000
-"""``router.hash_cache_blocks``' default (kvconfig), what ``hash_cache_blocks=None`` runs."""
+"""The hash cache's default bound (router/tuning.py), what ``hash_cache_blocks=None`` runs."""
 STEP_MB = 2.0
 """An RSS rise between two samples (10 s) at least this big is a step, not a trend: the
 +21 MB/hour the hash cache's fill used to cost was 0.06 MB per sample, and the heap grows
@@ -193,7 +193,7 @@ def run_soak(opt: SoakOptions) -> dict[str, Any]:
     chaos = ChaosOptions(out=opt.out, speedup=opt.speedup, target_load=opt.target_load, seed=opt.seed,
                          health_interval_s=opt.health_interval_s, hang_s=120.0,
                          spec=replace(opt.spec, speedup=opt.speedup), workload=opt.workload,
-                         router_settings={} if opt.hash_cache_blocks is None else {"hash_cache_blocks": opt.hash_cache_blocks})
+                         router_tuning={} if opt.hash_cache_blocks is None else {"hash_cache_blocks": opt.hash_cache_blocks})
     bound = opt.hash_cache_blocks or ROUTER_DEFAULT_HASH_CACHE_BLOCKS
     meta: dict[str, Any] = {"seconds": opt.seconds, "sample_s": opt.sample_s, "speedup": opt.speedup,
                             "sim_args": chaos.spec.sim_args, "hash_cache_blocks": bound}

@@ -31,14 +31,15 @@ from router.dispatch import Endpoints
 from router.errors import ShuttingDown, UnknownModel
 from router.parse import json_response, parse_json, read_body
 from router.proxy import ProxyResponse, Upstream, forwarded_headers
+from router.tuning import Tuning
 
 log = logging.getLogger(__name__)
 
 
-def create_app(config: Config, index: Index | None = None) -> Endpoints:
+def create_app(config: Config, index: Index | None = None, tuning: Tuning | None = None) -> Endpoints:
     """The ASGI app: FastAPI owns start-up and shutdown, :class:`router.dispatch.Endpoints`
     calls :class:`Handlers`' methods straight for the routes of :data:`ROUTES`."""
-    router = Router(config, index)
+    router = Router(config, index, tuning)
     handlers = Handlers(router, Access(config.router))
     if handlers.access.admin_same_as_client:
         log.warning("router.admin_api_key equals router.api_key: every client can call /debug/*")

@@ -24,7 +24,7 @@ cache (:meth:`PromptTokenizer.scan`) gives the exact ids of the history, every s
 up to the first one it lacks; a backend cannot hold blocks past that point unless the
 new text was sent before, and this router tokenized none of it lately. So the request is
 routed on the history's blocks (outcome ``tail``, :class:`router.plans.SeenTail`) and
-the new turn, at most ``router.inline_tokenize_bytes`` characters of it, is tokenized in
+the new turn, at most the tuning's ``inline_tokenize_bytes`` (router/tuning.py) characters of it, is tokenized in
 the background like a cold prompt's rest. Longer unseen tails take the probe or the full path: the cost of a miss grows
 with them, and a text sent through another router replica would be one.
 

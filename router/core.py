@@ -47,6 +47,7 @@ from router.proxy import Upstreams
 from router.request_path import RequestPath
 from router.runtime import ModelRuntime, Models
 from router.settle import Settler
+from router.tuning import Tuning
 
 if TYPE_CHECKING:
     from indexer.subscriber import StreamSpec
@@ -61,13 +62,15 @@ RETIRE_POLL_S = 0.1
 class Router:
     """The router's live state: models, backends, load, index and event subscriber."""
 
-    def __init__(self, config: Config, index: Index | None = None) -> None:
+    def __init__(self, config: Config, index: Index | None = None, tuning: Tuning | None = None) -> None:
         self.config = config
-        self.settings = s = config.router
+        self.settings = config.router
+        self.tuning = t = tuning or Tuning()
+        """The lab's knobs (:mod:`router.tuning`): not in the config file."""
         self.pool = BackendPool(config)
         self.loads = LoadTracker(list(self.pool.backends))
         self.index: Index = index if index is not None else make_index(config.index, config.index_namespace)
-        self.models = Models(config)
+        self.models = Models(config, t)
         # Two workers: tokenization holds the GIL for its Python part (template rendering), so
         # more threads would only contend with the event loop for it.
         self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
@@ -79,12 +82,13 @@ class Router:
         """The subscriber's own series, exposed through :class:`router.gauges.FleetCollector` so
         that several routers can live in one process (tests) without name clashes."""
         planner = Planner(
-            IdSource(self.executor, self.pool, s.inline_tokenize_bytes),
-            defer=s.defer_cold_prompts, inline_bytes=s.inline_tokenize_bytes,
+            IdSource(self.executor, self.pool, t.inline_tokenize_bytes),
+            defer=t.defer_cold_prompts, inline_bytes=t.inline_tokenize_bytes,
             busy=lambda: self.background.full,
         )
-        self.path = RequestPath(s, self.models, self.index, self.loads, Upstreams(self.pool, self.loads, s.retries),
-                                planner, self.settler, self.streams)
+        upstreams = Upstreams(self.pool, self.loads, self.settings.retries)
+        self.path = RequestPath(self.settings, self.models, self.index, self.loads, upstreams, planner, self.settler,
+                                self.streams)
         self._tasks: list[asyncio.Task[None]] = []
         self._unregister_metrics: Any = None
         self.draining = False

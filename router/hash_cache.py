@@ -20,7 +20,7 @@ barring a 128-bit xxh3 collision. Multimodal requests bypass the cache.
 
 Bounded FIFO: past ``max_blocks`` cached blocks the oldest chunks are dropped (hits do not refresh
 them; re-inserting after eviction is one hash, and FIFO needs no per-hit bookkeeping).
-``router.hash_cache_blocks`` sets the bound; ``kvrouter_hash_cache_blocks`` shows the fill.
+the tuning's ``hash_cache_blocks`` (router/tuning.py) sets the bound; ``kvrouter_hash_cache_blocks`` shows the fill.
 
 Memory: each chunk is one ``bytes`` (its last digest, then its 16 keys packed as native
 ``uint64``) under its 128-bit key, about 290 bytes, so ~18 bytes per block and ~9 MB at
@@ -55,7 +55,7 @@ DEFAULT_MAX_BLOCKS = 500_000
 
 BLOCKS = Gauge(
     "kvrouter_hash_cache_blocks",
-    "Blocks whose hashes the prefix hash cache holds (bounded by router.hash_cache_blocks)",
+    "Blocks whose hashes the prefix hash cache holds (bounded by the tuning's hash_cache_blocks)",
     ["model"],
     multiprocess_mode="livesum",
 )

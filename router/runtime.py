@@ -23,6 +23,7 @@ from router.history import HistoryMemo
 from router.policies import make_policy, memory_ttl
 from router.policies.approx_index import ApproxPrefixIndex
 from router.policies.shares import Shares
+from router.tuning import Tuning
 from router.policies.base import Policy, PrefixMemory, ReadsEngineState
 from router.tokenize import ParityGuard, PromptTokenizer, RemoteTokenizer, TokenizeError, load_tokenizer
 
@@ -55,7 +56,7 @@ class ModelRuntime:
     memory: PrefixMemory | None = None
     """The policy itself when it remembers its decisions by prefix (kv_aware, prefix_approx)."""
     history: HistoryMemo | None = None
-    """Block keys of chat histories already tokenized (``router.history_memo``)."""
+    """Block keys of chat histories already tokenized (:attr:`router.tuning.Tuning.history_memo`)."""
     engines: ReadsEngineState | None = None
     """The policy itself when it reads the engines' exact state (the bench's oracle, simulator only)."""
 
@@ -78,8 +79,9 @@ class ModelRuntime:
 class Models:
     """The configured models by name, and every served name (adapters too) to its runtime."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, tuning: Tuning | None = None) -> None:
         settings = config.router
+        tuning = tuning or Tuning()
         self.segment_cache_tokens = settings.segment_cache_tokens
         w = settings.weights
         self.runtimes: dict[str, ModelRuntime] = {}
@@ -88,13 +90,13 @@ class Models:
             hasher = BlockHasher(m.hash_algo, m.block_size, m.hash_seed, m.vllm_version)
             name = m.policy or settings.policy
             prefixes = ApproxPrefixIndex(memory_ttl(name, settings), settings.prefix_max_blocks)
-            shares = Shares(w.share_window)
+            shares = Shares(tuning.kv_aware.share_window)
             rt = ModelRuntime(
                 config=m,
                 hasher=hasher,
-                hash_cache=HashCache(hasher, settings.hash_cache_blocks, m.name),
-                policy=make_policy(name, config, m, prefixes, shares),
-                guard=ParityGuard(m.name, m.tokenizer_mode, m.parity_sample_rate),
+                hash_cache=HashCache(hasher, tuning.hash_cache_blocks, m.name),
+                policy=make_policy(name, config, m, prefixes, shares, tuning),
+                guard=ParityGuard(m.name, m.tokenizer_mode, tuning.parity_sample_rate),
                 remote=RemoteTokenizer(m.name),
                 backends=[b.name for b in m.backends],
                 tier_weights={"GPU": 1.0, "CPU": w.cpu_tier, "STORAGE": w.storage_tier, "DISK": w.storage_tier},
@@ -103,7 +105,7 @@ class Models:
                 prefixes=prefixes,
                 shares=shares,
             )
-            if settings.history_memo and settings.defer_cold_prompts:
+            if tuning.history_memo and tuning.defer_cold_prompts:
                 rt.history = HistoryMemo(m.name)
             self.runtimes[m.name] = rt
             self.served[m.name] = (rt, None)

@@ -50,6 +50,7 @@ import uvicorn
 from router import metrics
 from router.config import Config, ConfigError, load_config
 from router.policies import load_plugins, offered
+from router.tuning import Tuning
 
 if TYPE_CHECKING:
     from router.core import Router
@@ -87,6 +88,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worker-index", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--shared-dir", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--replica", default=None, help=argparse.SUPPRESS)
+    # The lab's knobs as JSON (router/tuning.py): the bench and tests set them, operators do not.
+    parser.add_argument("--tuning", default=None, help=argparse.SUPPRESS)
+
+
+def read_tuning(raw: str | None) -> Tuning | None:
+    """``--tuning``'s JSON (raises :class:`ConfigError` naming what is wrong)."""
+    if raw is None:
+        return None
+    try:
+        return Tuning.model_validate_json(raw)
+    except ValueError as e:
+        raise ConfigError(f"--tuning: {e}") from e
 
 
 def read_config(args: argparse.Namespace) -> Config:
@@ -204,6 +217,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s %(levelname)s {worker}%(name)s: %(message)s")
     try:
         config = read_config(args)
+        tuning = read_tuning(args.tuning)
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2
@@ -234,7 +248,7 @@ def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
     try:
-        app = create_app(config)
+        app = create_app(config, tuning=tuning)
     except (ValueError, OSError) as e:
         print(f"{args.config}: {e}", file=sys.stderr)
         return 2

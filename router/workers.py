@@ -201,6 +201,8 @@ class Supervisor:
                "--worker-index", str(i), "--shared-dir", str(self.rundir), "--replica", self.replica]
         if a.policy is not None:
             cmd += ["--policy", a.policy]
+        if a.tuning is not None:
+            cmd += ["--tuning", a.tuning]
         if a.reload_config:
             cmd.append("--reload-config")
         return cmd

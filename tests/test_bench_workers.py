@@ -40,13 +40,13 @@ def _all_completed(results: dict) -> dict:
 
 
 def test_two_workers_are_recorded_and_complete_every_request(tmp_path: Path) -> None:
-    results = _bench(tmp_path, "--router-workers", "2", "--router-setting", "defer_cold_prompts=false")
+    results = _bench(tmp_path, "--router-workers", "2", "--router-setting", "expose_decision_headers=true")
     meta = results["meta"]
     assert (meta["router_workers"], meta["router_replicas"]) == (2, 1)
-    assert meta["router_settings"] == {"defer_cold_prompts": False}
+    assert meta["router_settings"] == {"expose_decision_headers": True}
     _all_completed(results)
     cfg = (tmp_path / "logs" / "kv_aware" / "router-kv_aware.yaml").read_text()
-    assert "workers: 2" in cfg and "defer_cold_prompts: false" in cfg
+    assert "workers: 2" in cfg and "expose_decision_headers: true" in cfg
     md = (tmp_path / "report.md").read_text()
     assert "- router_workers: 2" in md and "- router_replicas: 1" in md
 
@@ -88,9 +88,9 @@ def test_router_flags_are_checked() -> None:
     from loadtest.workloads import WorkloadError
 
     assert parse_settings([]) == {}
-    assert parse_settings(["defer_cold_prompts=false", "health_interval_s=0.5"]) == {
-        "defer_cold_prompts": False, "health_interval_s": 0.5}
-    for bad, msg in ((["nope=1"], "nope"), (["defer_cold_prompts=maybe"], "defer_cold_prompts"),
+    assert parse_settings(["expose_decision_headers=true", "health_interval_s=0.5"]) == {
+        "expose_decision_headers": True, "health_interval_s": 0.5}
+    for bad, msg in ((["nope=1"], "nope"), (["expose_decision_headers=maybe"], "expose_decision_headers"),
                      (["workers=2"], "--router-workers"), (["x"], "KEY=VALUE")):
         with pytest.raises(WorkloadError, match=msg):
             parse_settings(bad)

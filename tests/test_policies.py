@@ -24,6 +24,7 @@ from router.policies.random import RandomPolicy
 from router.policies.round_robin import RoundRobin
 from router.policies.session import SessionAffinity
 from router.policies.shares import Shares
+from router.tuning import KvAwareTuning
 
 BS = 16
 
@@ -115,7 +116,7 @@ def test_approx_index_is_bounded() -> None:
 
 
 def test_prefix_approx_follows_its_own_decisions() -> None:
-    p = PrefixApprox(ApproxPrefixIndex(60.0, 10_000), KvAwareWeights())
+    p = PrefixApprox(ApproxPrefixIndex(60.0, 10_000))
     c = ctx(160)
     first = p.choose(c, fleet(4))
     p.commit(c, first)
@@ -125,7 +126,7 @@ def test_prefix_approx_follows_its_own_decisions() -> None:
 
 
 def test_prefix_approx_load_guard_moves_overloaded_hits() -> None:
-    p = PrefixApprox(ApproxPrefixIndex(60.0, 10_000), KvAwareWeights(imbalance_ratio=1.25, imbalance_slack=2))
+    p = PrefixApprox(ApproxPrefixIndex(60.0, 10_000), KvAwareTuning(imbalance_ratio=1.25, imbalance_slack=2))
     c = ctx(160)
     p.commit(c, p.choose(c, fleet(2)))
     chosen = p.choose(c, fleet(2)).backend
@@ -135,13 +136,19 @@ def test_prefix_approx_load_guard_moves_overloaded_hits() -> None:
     assert d.reason == "load_guard" and d.backend != chosen
 
 
-def kv_aware(weights: KvAwareWeights, max_blocks: int, rng: random.Random | None = None) -> KvAware:
+def kv_aware(weights: KvAwareWeights, max_blocks: int, rng: random.Random | None = None,
+             tuning: KvAwareTuning | None = None) -> KvAware:
     """kv_aware with a prefix memory and request share of its own (a lone router process)."""
-    return KvAware(weights, ApproxPrefixIndex(weights.speculative_ttl_s, max_blocks), Shares(weights.share_window), rng)
+    tuning = tuning or KvAwareTuning()
+    return KvAware(weights, ApproxPrefixIndex(weights.speculative_ttl_s, max_blocks), Shares(tuning.share_window),
+                   tuning, rng)
 
 
-def kv(**w: float) -> KvAware:
-    return kv_aware(KvAwareWeights(**w), 100_000, random.Random(7))
+def kv(**knobs: float) -> KvAware:
+    """kv_aware with config weights and lab tuning, each knob where it belongs."""
+    tuned = {k: v for k, v in knobs.items() if k in KvAwareTuning.model_fields}
+    weights = {k: v for k, v in knobs.items() if k not in tuned}
+    return kv_aware(KvAwareWeights(**weights), 100_000, random.Random(7), KvAwareTuning(**tuned))
 
 
 def test_kv_aware_cost_matches_the_documented_formula() -> None:
@@ -526,7 +533,7 @@ def test_sparse_approx_index_is_exact_for_extensions_and_never_more_than_a_strid
 
 @pytest.mark.parametrize("make", [
     lambda: kv_aware(KvAwareWeights(), 1000),
-    lambda: PrefixApprox(ApproxPrefixIndex(60.0, 1000), KvAwareWeights()),
+    lambda: PrefixApprox(ApproxPrefixIndex(60.0, 1000)),
 ], ids=["kv_aware", "prefix_approx"])
 def test_a_policy_with_prefix_memory_forgets_a_backend(make) -> None:
     from router.policies.base import PrefixMemory

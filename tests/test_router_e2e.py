@@ -27,6 +27,7 @@ import yaml
 from prometheus_client import REGISTRY
 
 from router.app import create_app
+from router.tuning import Tuning
 from router.config import parse_config
 from support import GOLDEN, KVROUTER, QWEN3_DIR, Proc, free_port, free_ports, wait_http
 
@@ -96,9 +97,9 @@ def router_url(fleet: dict[str, Any]) -> Iterator[str]:
 class InProcessRouter:
     """The router app served by uvicorn on a thread (same code path as ``kvrouter serve``)."""
 
-    def __init__(self, config: dict[str, Any]) -> None:
+    def __init__(self, config: dict[str, Any], tuning: Tuning | None = None) -> None:
         self.port = free_port()
-        app = create_app(parse_config(config))
+        app = create_app(parse_config(config), tuning=tuning)
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", loop="asyncio"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
@@ -458,7 +459,7 @@ def _cold(outcome: str) -> float:
 
 def test_cold_prompt_is_sent_before_its_full_tokenization_then_settled(fleet: dict[str, Any]) -> None:
     # History memo off: it would route the re-sent prompt on remembered keys (tested below).
-    with InProcessRouter(fleet_config(fleet, policy="kv_aware", history_memo=False)) as r:
+    with InProcessRouter(fleet_config(fleet, policy="kv_aware"), Tuning(history_memo=False)) as r:
         body = {"model": MODEL, "messages": [{"role": "user", "content": unique_text(600)}], "max_tokens": 3000, "min_tokens": 3000, "stream": True}
         checks = REGISTRY.get_sample_value("kvrouter_cold_head_checks_total", {"model": MODEL}) or 0.0
         backend, _ = _deferred_then_settled(r.url, body, "deferred")
@@ -509,7 +510,7 @@ def test_new_turn_of_a_seen_history_is_routed_on_the_history_then_settled(fleet:
     the history's exact blocks (a cache hit on the history's backend) before the new turn
     is tokenized, and the ticket then settles to the whole prompt's blocks. (With the
     history memo off: it would route this request before rendering anything, below.)"""
-    with InProcessRouter(fleet_config(fleet, policy="kv_aware", history_memo=False)) as r:
+    with InProcessRouter(fleet_config(fleet, policy="kv_aware"), Tuning(history_memo=False)) as r:
         history = [{"role": "system", "content": unique_text(300)}, {"role": "user", "content": unique_text(400)}]
         first = httpx.post(r.url + "/v1/chat/completions", json={"model": MODEL, "messages": history, "max_tokens": 2}, timeout=60)
         assert first.status_code == 200
@@ -641,7 +642,7 @@ def test_a_backlogged_background_thread_sends_prompts_down_the_full_path(fleet: 
 
 
 def test_cold_deferral_can_be_switched_off(fleet: dict[str, Any]) -> None:
-    with InProcessRouter(fleet_config(fleet, policy="kv_aware", defer_cold_prompts=False)) as r:
+    with InProcessRouter(fleet_config(fleet, policy="kv_aware"), Tuning(defer_cold_prompts=False)) as r:
         before = _cold("deferred")
         body = {"model": MODEL, "messages": [{"role": "user", "content": unique_text(600)}], "max_tokens": 2}
         assert httpx.post(r.url + "/v1/chat/completions", json=body, timeout=60).status_code == 200

@@ -41,6 +41,7 @@ from router.policies.base import UNROUTABLE, Candidate, Decision, RequestCtx, by
 from loadtest.policies.engine_state import EngineState, SideChannel
 from router.policies.kv_aware import KvAware
 from router.policies.shares import Shares
+from router.tuning import KvAwareTuning
 
 NO_PREDICTION = UNROUTABLE / 2
 """Score of a routable backend whose state could not be had (worse than any prediction)."""
@@ -104,10 +105,10 @@ class KvAwareExact(_ReadsEngines, KvAware):
     """kv_aware's cost with the engine's exact load, its exact cache view, or both."""
 
     def __init__(self, weights: KvAwareWeights, memory: ApproxPrefixIndex, shares: Shares, channel: SideChannel, *,
-                 load: bool, cache: bool, rng: random.Random | None = None) -> None:
+                 load: bool, cache: bool, tuning: KvAwareTuning | None = None, rng: random.Random | None = None) -> None:
         if not (load or cache):
             raise ValueError("KvAwareExact needs exact load, exact cache or both")
-        KvAware.__init__(self, weights, memory, shares, rng)
+        KvAware.__init__(self, weights, memory, shares, tuning, rng)
         _ReadsEngines.__init__(self, channel)
         self.exact_load = load
         self.exact_cache = cache

@@ -19,6 +19,7 @@ from router.config import Config, Model, RouterSettings
 from router.policies.approx_index import ApproxPrefixIndex
 from router.policies.base import Policy
 from router.policies.shares import Shares
+from router.tuning import Tuning
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +32,7 @@ class Parts:
     model: Model | None
     memory: ApproxPrefixIndex
     shares: Shares
+    tuning: Tuning
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,16 +67,17 @@ def memory_ttl(name: str, settings: RouterSettings) -> float:
 
 
 def make_policy(name: str, config: Config, model: Model | None = None, memory: ApproxPrefixIndex | None = None,
-                shares: Shares | None = None) -> Policy:
+                shares: Shares | None = None, tuning: Tuning | None = None) -> Policy:
     """A fresh policy instance for ``model``, with the model's prefix memory and request
     share (fresh ones when not given)."""
     entry = _REGISTRY.get(name)
     if entry is None:
         raise ValueError(f"unknown policy {name!r}; one of {', '.join(sorted(_REGISTRY))}")
     settings = config.router
+    tuning = tuning or Tuning()
     if memory is None:
         memory = ApproxPrefixIndex(entry.memory_ttl(settings), settings.prefix_max_blocks)
-    return entry.build(Parts(config, model, memory, shares or Shares(settings.weights.share_window)))
+    return entry.build(Parts(config, model, memory, shares or Shares(tuning.kv_aware.share_window), tuning))
 
 
 def _round_robin(_: Parts) -> Policy:
@@ -110,13 +113,13 @@ def _session(_: Parts) -> Policy:
 def _prefix_approx(p: Parts) -> Policy:
     from router.policies.prefix_approx import PrefixApprox
 
-    return PrefixApprox(p.memory, p.config.router.weights)
+    return PrefixApprox(p.memory, p.tuning.kv_aware)
 
 
 def _kv_aware(p: Parts) -> Policy:
     from router.policies.kv_aware import KvAware
 
-    return KvAware(p.config.router.weights, p.memory, p.shares)
+    return KvAware(p.config.router.weights, p.memory, p.shares, p.tuning.kv_aware)
 
 
 def speculative_ttl(settings: RouterSettings) -> float:

@@ -79,6 +79,7 @@ from router.config import KvAwareWeights
 from router.policies.approx_index import ApproxPrefixIndex
 from router.policies.base import Candidate, Decision, RequestCtx, healthy, mark_unroutable
 from router.policies.shares import Shares
+from router.tuning import KvAwareTuning
 
 _M64 = (1 << 64) - 1
 
@@ -87,11 +88,12 @@ class KvAware:
     name = "kv_aware"
 
     def __init__(self, weights: KvAwareWeights, memory: ApproxPrefixIndex, shares: Shares,
-                 rng: random.Random | None = None) -> None:
+                 tuning: KvAwareTuning | None = None, rng: random.Random | None = None) -> None:
         """``memory``: where the router sent prefixes lately (speculative insertion), and
         ``shares``: the model's recent decisions per backend; both also hold the other
         router processes' decisions (:mod:`router.fleet.log`)."""
         self.w = weights
+        self.t = tuning or KvAwareTuning()
         self.speculative = memory
         self.shares = shares
         self._rng = rng or random.Random()
@@ -124,7 +126,7 @@ class KvAware:
             inflight_hit = max(shared, s - c.matched_blocks)
             queue = max(0, c.load.prefill_tokens - inflight_hit * bs)
             c.score = (w.prefill * ((n - hit * bs) + queue) / bs + w.decode * (c.load.active_blocks + n_blocks - matched)
-                       + w.context * (c.load.context_blocks + n_blocks))
+                       + self.t.context * (c.load.context_blocks + n_blocks))
         mark_unroutable(candidates)
         pool = healthy(candidates)
         ranked = sorted(pool, key=lambda c: c.score)
@@ -133,7 +135,7 @@ class KvAware:
             tied = [c for c in ranked if c.score == ranked[0].score]
             tied.sort(key=lambda c: self._tie(c.backend, first))
             ranked[:len(tied)] = tied
-        best = self._sample(ranked) if w.temperature > 0 and len(ranked) > 1 else ranked[0]
+        best = self._sample(ranked) if self.t.temperature > 0 and len(ranked) > 1 else ranked[0]
 
         guard = self._guard(best, pool, n, cap, bs)
         moved = guard or (self._capped(best, pool, bs) if w.share_cap > 0 else None)
@@ -160,7 +162,7 @@ class KvAware:
             return None
         alt = min(under, key=lambda c: c.score)
         extra_tokens = (alt.score - best.score) * bs / (self.w.prefill or 1.0)
-        return alt if extra_tokens <= self.w.share_cap_tokens else None
+        return alt if extra_tokens <= self.t.share_cap_tokens else None
 
     def _speculative_hits(self, ctx: RequestCtx) -> dict[str, int]:
         """``spec(b)``: leading blocks of the request the router sent to each backend lately."""
@@ -180,21 +182,21 @@ class KvAware:
     def _sample(self, ranked: list[Candidate]) -> Candidate:
         lo, hi = ranked[0].score, ranked[-1].score
         span = (hi - lo) or 1.0
-        weights = [math.exp(-((c.score - lo) / span) / self.w.temperature) for c in ranked]
+        weights = [math.exp(-((c.score - lo) / span) / self.t.temperature) for c in ranked]
         return self._rng.choices(ranked, weights=weights)[0]
 
     def _guard(self, best: Candidate, pool: list[Candidate], n: int, cap: int, bs: int) -> Candidate | None:
         least = min(pool, key=lambda c: (c.load.effective_in_flight(), self._rng.random()))
         if least is best:
             return None
-        if best.load.effective_in_flight() <= self.w.imbalance_ratio * least.load.effective_in_flight() + self.w.imbalance_slack:
+        if best.load.effective_in_flight() <= self.t.imbalance_ratio * least.load.effective_in_flight() + self.t.imbalance_slack:
             return None
 
         def hit_tokens(c: Candidate) -> float:
             return min(max(c.weighted_blocks, float(c.speculative_blocks)), float(cap)) * bs
 
         saving = hit_tokens(best) - hit_tokens(least)
-        if n > 0 and saving >= self.w.guard_min_saving * n:
+        if n > 0 and saving >= self.t.guard_min_saving * n:
             return None
         return least
 

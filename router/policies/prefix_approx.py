@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import random
 
-from router.config import KvAwareWeights
+from router.tuning import KvAwareTuning
 from router.policies.approx_index import ApproxPrefixIndex
 from router.policies.base import Candidate, Decision, RequestCtx, healthy, in_flight_tokens, mark_unroutable
 
@@ -26,10 +26,12 @@ MIN_MATCH_FRACTION = 0.5
 class PrefixApprox:
     name = "prefix_approx"
 
-    def __init__(self, memory: ApproxPrefixIndex, weights: KvAwareWeights, rng: random.Random | None = None) -> None:
-        """``memory``: where the router sent each prefix (every router process's decisions)."""
+    def __init__(self, memory: ApproxPrefixIndex, tuning: KvAwareTuning | None = None,
+                 rng: random.Random | None = None) -> None:
+        """``memory``: where the router sent each prefix (every router process's decisions);
+        ``tuning``: kv_aware's load guard, which this policy shares."""
         self.tree = memory
-        self.w = weights
+        self.t = tuning or KvAwareTuning()
         self._rng = rng or random.Random()
 
     def choose(self, ctx: RequestCtx, candidates: list[Candidate]) -> Decision:
@@ -46,7 +48,7 @@ class PrefixApprox:
         if best.matched_blocks > 0 and best.matched_blocks >= MIN_MATCH_FRACTION * n_blocks:
             idlest = min(pool, key=lambda c: (c.load.effective_in_flight(), self._rng.random()))
             overloaded = best.load.effective_in_flight() > (
-                self.w.imbalance_ratio * idlest.load.effective_in_flight() + self.w.imbalance_slack
+                self.t.imbalance_ratio * idlest.load.effective_in_flight() + self.t.imbalance_slack
             )
             chosen, reason = (idlest, "load_guard") if overloaded else (best, "approx_hit")
         for c in candidates:

@@ -1,0 +1,50 @@
+"""Knobs the lab varies and operators leave alone: ablations and internal sizes.
+
+They are not in the config file (:mod:`kvconfig`, which holds what an operator sets). The
+bench and tests set them: in process through ``Router(config, tuning=...)``, and for a
+``kvrouter serve`` child through its hidden ``--tuning JSON`` flag. Every default is the
+value the benchmarks chose.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class KvAwareTuning(BaseModel):
+    """kv_aware's guard, share-cap and sampling constants (router/policies/kv_aware.py)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    context: float = Field(default=0.0, ge=0.0)
+    """Cost per prompt block of every in-flight request (a shared prefix counts once per request):
+    decode attention reads each request's whole context every step. Off by default."""
+    temperature: float = Field(default=0.0, ge=0.0)
+    """0 picks the cheapest backend; above 0, a softmax over normalised costs samples among near-equal ones."""
+    imbalance_ratio: float = Field(default=1.25, ge=1.0)
+    """Load guard: the chosen backend counts as overloaded above this many times the least loaded one's
+    requests in flight, plus ``imbalance_slack``."""
+    imbalance_slack: int = Field(default=4, ge=0)
+    guard_min_saving: float = Field(default=0.5, ge=0.0, le=1.0)
+    """Load guard: an overloaded choice stands only if its cache saves at least this fraction of the prompt."""
+    share_window: int = Field(default=128, ge=2)
+    """Decisions the request share is measured over (exponential decay): ~1/2 of a 300-request run."""
+    share_cap_tokens: int = Field(default=4096, ge=0)
+    """The most prefill tokens, in kv_aware's cost, a move under the share cap may add. Set on the mixed
+    workload's tuning seeds: at 2,048 a burst of agent sessions over a 2k-token shared prompt still piled up."""
+
+
+class Tuning(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    defer_cold_prompts: bool = True
+    """Send a prompt whose first block nobody holds before tokenizing all of it (router/cold.py)."""
+    history_memo: bool = True
+    """Route a chat whose messages start with ones already tokenized on their remembered keys (router/history.py)."""
+    inline_tokenize_bytes: int = Field(default=2048, ge=0)
+    """Bodies, and a prompt's uncached text, up to this many bytes are tokenized at once on the event loop."""
+    hash_cache_blocks: int = Field(default=500_000, ge=16)
+    """Blocks whose hashes the prefix hash cache keeps per model (~18 bytes each)."""
+    parity_sample_rate: float = Field(default=0.01, ge=0.0, le=1.0)
+    """Fraction of requests whose local token ids are compared with an engine's ``/tokenize``."""
+    kv_aware: KvAwareTuning = KvAwareTuning()
