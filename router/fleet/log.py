@@ -1,23 +1,16 @@
 """The fleet-state log: what every router process did, in one order, folded alike by all.
 
-The workers of ``serve --workers N`` and replicas on other hosts each decide alone, yet each
-must weigh every process's requests, follow every process's recent decisions (a burst on a
-new prefix lands where its first request went), weigh the fleet's request share and agree on
-health. One mechanism carries it all, as Dynamo's router replicas share one active-sequence
-event stream. Each process appends typed records of what it did: a request :class:`Decided`
-(backend, prefix keys, the load it adds), its :class:`FirstToken`, its :class:`Ended`, a
-deferred request :class:`Settled`, a health :class:`Verdict`, the engines' :class:`Scraped`
-gauges, and every :data:`SNAPSHOT_S` a :class:`Snapshot` of its load, which is also its
-heartbeat. Every process folds the others' records into the same :class:`FleetState`.
-
-Records carry load *changes*, so folding is adding; a snapshot sets a sender's counters
-outright. A sender's records keep their order on every transport, so a snapshot followed by
-changes is exact; records lost cost at most one snapshot interval of error, and a reader
-that joins mid-log counts a sender's load from its next snapshot. A sender silent for
-``ttl_s`` (dead, or cut off) stops counting: no phantom load. Replicas' concurrent decisions
-are ordered by the log itself (:meth:`router.fleet.stream.FleetStream.order`).
-Transports: :mod:`router.fleet.ring` between a host's workers, :mod:`router.fleet.stream`
-between replicas; verdicts and scrapes stay on the host.
+Workers and replicas each decide alone, yet each must weigh every process's requests, follow
+every process's recent decisions (a burst on a new prefix lands where its first request went),
+weigh the fleet's request share and agree on health: one event log carries it all, as Dynamo's
+router replicas share one active-sequence stream. Each process appends what it did: a request
+:class:`Decided` (backend, prefix keys, the load it adds), its :class:`FirstToken` and
+:class:`Ended`, a deferred one :class:`Settled`, a health :class:`Verdict`, the engines'
+:class:`Scraped` gauges, and every :data:`SNAPSHOT_S` a :class:`Snapshot` of its load (its
+heartbeat); every process folds the others' into the same :class:`FleetState`. Records carry
+load *changes* and a snapshot sets a sender's counters outright; a sender's records keep their
+order, so this is exact, a lost record costs one snapshot interval, and a reader joining
+mid-log counts a sender from its next snapshot. A sender silent for ``ttl_s`` stops counting.
 """
 
 from __future__ import annotations
@@ -61,13 +54,8 @@ class Ended(FirstToken, tag=3):
     pass
 
 
-class Settled(msgspec.Struct, tag=4, array_like=True):
+class Settled(Decided, tag=4):
     """A deferred request's estimate replaced by its exact keys and prefill tokens."""
-
-    model: str
-    backend: str
-    load: Load
-    keys: list[int]
 
 
 class Snapshot(msgspec.Struct, tag=5, array_like=True):
@@ -143,8 +131,8 @@ class FleetState:
         s.heard = self._clock()
         decided = False
         for r in records:
-            if isinstance(r, (Decided, Settled)):
-                if isinstance(r, Decided):
+            if isinstance(r, Decided):
+                if not isinstance(r, Settled):
                     decided = True
                     shares = self.shares.get(r.model)
                     if shares is not None:

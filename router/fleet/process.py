@@ -23,10 +23,8 @@ class FleetLog:
                  fleet: FleetStream | None = None) -> None:
         self.state = state
         self._snapshot = snapshot
-        self.host = host
-        """Between the workers of this host."""
-        self.fleet = fleet
-        """Between replicas."""
+        self.host = host  # between the workers of this host
+        self.fleet = fleet  # between replicas
 
     def append(self, record: Record, *, to_fleet: bool = True) -> None:
         """``to_fleet=False``: the host's workers only (a verdict or a scrape: each replica

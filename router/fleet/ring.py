@@ -1,17 +1,12 @@
 """The fleet-state log between the workers of one host: one ring of bytes per worker.
 
-One memory-mapped file (in the supervisor's run directory, on ``/dev/shm`` when there is one)
-holds a header, per worker its generation, start and cursor, then per worker a ring. A worker
-appends each batch of records (4-byte length, then msgpack) at its cursor, then advances the
-cursor; the others fold what lies between their last position and it (:meth:`Ring.catch_up`).
-No lock: each ring has one writer, and the cursor is one aligned 8-byte store made after the
-bytes it covers. A reader a whole ring behind skips to the cursor and forgets that worker's
-load until its next snapshot. The supervisor bumps a worker's generation when it dies (its
-requests died with it: readers drop its load at once) and when it starts another.
-
-An mmap'd file, not :class:`multiprocessing.shared_memory.SharedMemory`: on Python 3.11 each
-process attaching one registers it with its resource tracker, which unlinks it at that
-process's exit, so the first worker to die would take it from the others.
+One memory-mapped file in the supervisor's run directory holds a header, per worker its
+generation, start and cursor, then per worker a ring. A worker appends each batch of records
+(4-byte length, msgpack) and then advances its cursor, one aligned 8-byte store after the bytes:
+one writer, no lock. A reader a whole ring behind skips to the cursor and forgets that worker's
+load until its next snapshot. The supervisor bumps a worker's generation when it dies (readers
+drop its load at once) and when it starts another. A file, not ``SharedMemory``: Python 3.11's
+resource tracker unlinks that when its first user exits.
 """
 
 from __future__ import annotations

@@ -1,23 +1,16 @@
 """The fleet-state log between router replicas: one Redis Stream per fleet (``router.fleet_state``).
 
-Every process appends entries to ``{namespace}:fleet`` (a batch of its records and its
-name) and reads every entry with a blocking ``XREAD``, folding the other replicas' as they
-arrive (its own host's workers reach it through their ring). Reads never wait on Redis.
-
-- **Appending.** Queued records go out as one entry, then the sender waits :data:`FLUSH_S`:
-  a lone record leaves at once, a busy process writes one entry per interval. A snapshot
-  due is built when its entry is sent and ends it, so it covers every change before it.
-- **Order.** kv_aware's decisions with a choice to make are committed by one atomic script
-  (:meth:`FleetStream.order`): it appends the decision only if no other process's decision
-  entered the stream after the last entry this process had folded when it decided; else it
-  returns those entries, which are folded, and the decision is made again (the
-  :data:`ATTEMPTS`-th is committed whatever came). So every committed decision saw every
-  decision committed before it, as in one process, at one round trip per decision.
-- **Expiry.** The stream is trimmed to :data:`MAXLEN` entries and expires when nobody
-  writes; a new process reads from ``ttl_s`` back, far enough for every live snapshot.
-- **Failures.** Redis down or slower than :data:`TIMEOUT_S`: a decision goes as decided
-  alone, a snapshot re-bases the others once Redis answers, and each state change is
-  logged once (``kvrouter_fleet_log_failures`` counts them).
+Each process appends entries to ``{namespace}:fleet`` (its name and a batch of records) and
+folds the other replicas' as a blocking ``XREAD`` brings them (its own host's workers reach it
+through their ring); a decision never waits on a read. Queued records go out as one entry,
+then the sender waits :data:`FLUSH_S`; a snapshot due is built as its entry's last record, so
+it covers every change before it. kv_aware's decisions are committed by one atomic script
+(:meth:`FleetStream.order`) only if no other process decided after the last entry folded;
+else the script returns those entries, they are folded, and the decision is made again (the
+:data:`ATTEMPTS`-th is committed whatever came): each decision sees every one committed
+before it, as in one process. The stream is trimmed to :data:`MAXLEN` entries and expires
+when nobody writes. Redis down or slower than :data:`TIMEOUT_S`: decisions go as decided
+alone, a snapshot re-bases the others once it answers, and each failure state is logged once.
 """
 
 from __future__ import annotations
@@ -125,19 +118,20 @@ class FleetStream:
                 if self._snapshot_due:
                     records.append(Snapshot(self._snapshot()))
                     self._snapshot_due = False
-                if records:
-                    try:
-                        pipe = self.redis.pipeline(transaction=False)
-                        decided = any(isinstance(r, Decided) for r in records)
-                        pipe.xadd(self.key, {"s": self.me, "d": "1" if decided else "0", "r": encode(records)},
-                                  maxlen=MAXLEN, approximate=True)
-                        pipe.pexpire(self.key, 4 * self.ttl_ms)
-                        await pipe.execute()
-                        self._recovered("append")
-                    except Exception as e:  # noqa: BLE001 - Redis down or slow: a snapshot re-bases the others later
-                        self._snapshot_due = True
-                        self._failed("append", e)
+                try:
+                    await self._add(records)
+                    self._failed("append", None)
+                except Exception as e:  # noqa: BLE001 - Redis down or slow: a snapshot re-bases the others later
+                    self._snapshot_due = True
+                    self._failed("append", e)
             await asyncio.sleep(FLUSH_S)
+
+    async def _add(self, records: list[Record]) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        decided = "1" if any(isinstance(r, Decided) for r in records) else "0"
+        pipe.xadd(self.key, {"s": self.me, "d": decided, "r": encode(records)}, maxlen=MAXLEN, approximate=True)
+        pipe.pexpire(self.key, 4 * self.ttl_ms)
+        await pipe.execute()
 
     async def _read_forever(self) -> None:
         while True:
@@ -146,7 +140,7 @@ class FleetStream:
                 for _, entries in out or []:
                     for entry_id, fields in entries:
                         self._fold(entry_id.decode(), fields.get(b"s", b""), fields.get(b"r", b""))
-                self._recovered("read")
+                self._failed("read", None)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - Redis down or restarted: read again from where it was
@@ -192,7 +186,7 @@ class FleetStream:
                     metrics.child(metrics.SEQUENCED, "failed").inc()
                     self._failed("order", e)
                     return False
-                self._recovered("order")
+                self._failed("order", None)
                 for i in range(2, len(out) - 3, 4):  # id, sender, decided flag, records
                     self._fold(out[i].decode(), out[i + 1], out[i + 3])
                 if int(out[0]):
@@ -207,23 +201,23 @@ class FleetStream:
         metrics.child(metrics.SEQUENCE_SECONDS, "commit").observe(time.perf_counter() - t1)
         return True
 
-    def _failed(self, what: str, e: Exception) -> None:
+    def _failed(self, what: str, e: Exception | None) -> None:
+        """Count a failure (``e``) or a success (None), and log each change of state once."""
+        if e is None:
+            if what in self._failing:
+                self._failing.discard(what)
+                log.info("fleet state: Redis answers again (%s)", what)
+            return
         metrics.child(metrics.FLEET_LOG_FAILURES, what).inc()
         if what not in self._failing:
             self._failing.add(what)
             log.warning("fleet state: cannot %s the replicas' stream in Redis (%s: %s); this replica routes on "
                         "what it sees itself until Redis answers", what, type(e).__name__, e)
 
-    def _recovered(self, what: str) -> None:
-        if what in self._failing:
-            self._failing.discard(what)
-            log.info("fleet state: Redis answers again (%s)", what)
-
     async def aclose(self) -> None:
         """Withdraw this process's load at once (a clean stop need not wait for the TTL)."""
         try:
-            await asyncio.wait_for(self.redis.xadd(self.key, {"s": self.me, "d": "0", "r": encode([Snapshot({})])},
-                                                   maxlen=MAXLEN, approximate=True), TIMEOUT_S)
+            await asyncio.wait_for(self._add([Snapshot({})]), TIMEOUT_S)
         except Exception as e:  # noqa: BLE001 - the TTL removes it anyway
             log.debug("fleet state: could not withdraw %s: %s", self.me, e)
         await self.redis.aclose()
