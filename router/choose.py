@@ -1,10 +1,11 @@
-"""Stages 5 and 6 of the request path, *choose* (pure) and the decision's *commit* (acting).
+"""Stage 5 of the request path, *choose* (pure), and the decision's *commit* (acting, in stage 7).
 
 :func:`candidates` turns the index's answer (leading blocks per worker and tier) into one
 :class:`~router.policies.base.Candidate` per configured backend, healthy or not, with
 its live load; the model's policy chooses among them. :func:`commit` is the other half,
-run only for a request that is really sent: the policy learns the decision (round-robin
-cursors, remembered prefixes) and the decision metrics are counted.
+run only for a request that is really sent, by each of its attempts
+(:class:`router.attempt.Attempts`, stage 7, *send*): the policy learns the decision
+(round-robin cursors, remembered prefixes) and the decision metrics are counted.
 """
 
 from __future__ import annotations

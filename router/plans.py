@@ -3,7 +3,8 @@
 Tokenizing is most of what routing costs, and for some prompts part of the ids decides
 as much as all of them would. Each routing mode is one class here, and each says which
 keys it routes on (``keys``), how many tokens the prompt is taken to have
-(``num_tokens``) and what it owes once sent (:mod:`router.settle` pays it):
+(``num_tokens``) and what it owes once sent (:meth:`Plan.owe`, stage 8, which
+:class:`router.settle.Settler` pays):
 
 =====================  =====================================================  ==========================================
 mode                   routes on                                              owes in the background
@@ -26,7 +27,7 @@ Planning is pure: it renders, scans and tokenizes (warming the tokenizer's cache
 changes no routing state, counts nothing and starts nothing, so ``/debug/route`` can plan
 too. The outcome each plan carries is counted in ``kvrouter_cold_path`` when it is sent.
 
-``router.inline_tokenize_bytes`` is the one size threshold: a body, or a prompt's
+the tuning's ``inline_tokenize_bytes`` (router/tuning.py) is the one size threshold: a body, or a prompt's
 uncached text, at most that long costs less to tokenize on the event loop than any
 detour (a pool thread, a probe plus a background job), so only longer prompts are
 deferred, and a seen history's new turn is deferred only while it is at most that long.
@@ -36,11 +37,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 from router.cold import HeadProbe
 from router.errors import BadRequest
 from router.history import Chain, Hit, chain_of, digest
+from router.load import Ticket
 from router.prompt_ids import IdSource, Ids, Rendered
 from router.runtime import ModelRuntime, check_length, length_error
 from router.tokenize import PromptTokenizer, Scan, TokenizeError, UnsupportedPrompt
@@ -60,8 +62,21 @@ class Query:
     """Its messages' history-memo keys, when the memo can route it or learn from it."""
 
 
+class Settling(Protocol):
+    """The work a plan can owe, as :class:`router.settle.Settler` does it (settling comes
+    after planning on the request path, so plans name it by its methods). ``d`` is the sent
+    request, a :class:`router.choose.Decided`; each returns what starts the work sooner."""
+
+    def tokenize(self, d: Any, plan: Deferred, ticket: Ticket) -> Callable[[], None]: ...
+
+    def check_ids(self, d: Any, plan: ExactIds) -> None: ...
+
+    def learn_history(self, d: Any, plan: ExactIds) -> Callable[[], None] | None: ...
+
+
 class Plan:
-    """What every mode answers: the keys to route on and the prompt's length in tokens."""
+    """What every mode answers: the keys to route on, the prompt's length in tokens, and
+    what it owes once sent."""
 
     __slots__ = ()
     outcome: str | None = None
@@ -69,6 +84,12 @@ class Plan:
     keys: list[int]
     num_tokens: int
     token_ids: list[int]
+
+    def owe(self, settler: Settling, d: Any, ticket: Ticket) -> Callable[[], None] | None:
+        """Stage 8, *settle*: schedule what the sent request ``d`` (load ``ticket``) still owes;
+        returns what starts it sooner (None: nothing owed). Called when it is sent, before
+        any await, so a request with the same new first block finds it pending."""
+        raise NotImplementedError
 
 
 @dataclass(slots=True)
@@ -93,6 +114,10 @@ class ExactIds(Plan):
     @property
     def token_ids(self) -> list[int]:  # type: ignore[override]
         return self.ids.token_ids
+
+    def owe(self, settler: Settling, d: Any, ticket: Ticket) -> Callable[[], None] | None:
+        settler.check_ids(d, self)
+        return settler.learn_history(d, self)
 
 
 @dataclass(slots=True)
@@ -130,6 +155,9 @@ class Deferred(Plan):
     def verify(self, rt: ModelRuntime, ids: list[int], keys: list[int]) -> None:
         """Compare what it was routed on with its full tokenization (background, on the loop)."""
 
+    def owe(self, settler: Settling, d: Any, ticket: Ticket) -> Callable[[], None] | None:
+        return settler.tokenize(d, self, ticket)
+
 
 @dataclass(slots=True)
 class RememberedHistory(Deferred):
@@ -166,6 +194,14 @@ class RememberedHistory(Deferred):
     def verify(self, rt: ModelRuntime, ids: list[int], keys: list[int]) -> None:
         if rt.history is not None and self.hit is not None:
             rt.history.check(self.hit, keys)
+
+    def owe(self, settler: Settling, d: Any, ticket: Ticket) -> Callable[[], None] | None:
+        """Also marks its memo entry most recently used, at once: a conversation being
+        continued keeps its shortcut (the memo evicts least recently used first)."""
+        memo = d.rt.history
+        if memo is not None and self.hit is not None:
+            memo.touch(self.hit)
+        return settler.tokenize(d, self, ticket)
 
 
 @dataclass(slots=True)
@@ -285,7 +321,7 @@ class Planner:
     def __init__(self, ids: IdSource, *, defer: bool, inline_bytes: int, busy: Callable[[], bool]) -> None:
         self.ids = ids
         self.defer = defer
-        """``router.defer_cold_prompts``: whether any mode but the full path is tried."""
+        """the tuning's ``defer_cold_prompts`` (router/tuning.py): whether any mode but the full path is tried."""
         self.inline_bytes = inline_bytes
         self.busy = busy
         """Whether background work is behind (:attr:`router.background.Background.full`)."""

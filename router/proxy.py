@@ -1,7 +1,10 @@
-"""Upstream calls: pooled connections, retries before the first byte, streaming, cancellation.
+"""Stage 7 of the request path, *send*: the original bytes to an engine, its answer relayed to the client.
 
 :class:`ProxyResponse` is an ASGI response that does the whole upstream exchange while
-watching the client connection:
+watching the client connection. Each try is an :class:`~router.attempt.Attempt`, which
+owns what the try accounts for (the load ticket, the policy's commit, the backend's
+health and failure metrics, the in-flight entry a dead backend or the drain deadline
+aborts, the upstream connection); the proxy sends, relays bytes and frames SSE:
 
 - it tries the decision's backends in order; a connect error, a connection closed
   before any response byte, or a 502/503 answer moves to the next backend (at most
@@ -10,16 +13,12 @@ watching the client connection:
 - the response is relayed chunk by chunk as it arrives (``iter_any``: whatever bytes
   the socket delivered, no buffering, no re-encoding) for streams, and in one piece for
   non-streamed answers;
-- a client disconnect cancels the work: the upstream response is closed, which closes
-  its connection, which makes vLLM abort the request;
+- a client disconnect cancels the work: the attempt ends, its upstream response is
+  closed, which closes its connection, which makes vLLM abort the request;
 - a backend found dead (connection refused) aborts the requests waiting on it
   (:meth:`router.backends.BackendState.abort_in_flight`): 502, or a stream error event;
   the router's drain deadline (SIGTERM, ``router.drain_timeout_s``) ends what still runs
-  the same way, with 503 or an error event coded ``shutting_down``;
-- the request's load :class:`~router.load.Ticket` for the chosen backend is taken by the
-  caller when it decides (so concurrent decisions see each other at once), a new one
-  per retry, and each is released in ``finally`` on every path; the prefill share moves
-  to decode at the first body chunk.
+  the same way, with 503 or an error event coded ``shutting_down``.
 
 A failure after the response started cannot change its status: an SSE stream gets a
 final ``data: {"error": ...}`` event (what vLLM itself sends) and is then closed. For
@@ -44,10 +43,8 @@ the backend as configured; addresses and exception details go to the log.
 from __future__ import annotations
 
 import asyncio
-import logging
-import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -55,11 +52,10 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from router import metrics
-from router.backends import BackendPool, BackendState
+from router.attempt import BACKEND_DOWN, SHUTTING_DOWN, Attempt, Attempts
+from router.backends import BackendPool
 from router.errors import RouterError, ShuttingDown, UpstreamError, UpstreamTimeout, error_body, error_response
-from router.load import LoadTracker, Ticket
-
-log = logging.getLogger(__name__)
+from router.load import LoadTracker
 
 FORWARDED_REQUEST_HEADERS = ("content-type", "accept", "x-request-id", "traceparent", "user-agent")
 RELAYED_RESPONSE_HEADERS = frozenset((b"content-type", b"x-request-id", b"cache-control"))
@@ -203,8 +199,8 @@ class Upstreams:
 
 @dataclass(slots=True)
 class Upstream:
-    """One request as the proxy sends it: what to send, in which backend order, and what to
-    account for it (metrics labels, load, the decision's hooks)."""
+    """One request as the proxy sends it: what to send, and in which backend order (what a
+    passthrough's :class:`~router.attempt.Attempts` are made of)."""
 
     path: str
     body: bytes
@@ -216,38 +212,29 @@ class Upstream:
     started: float
     """When the body was received: the overhead clock (``kvrouter_overhead_seconds``)."""
     stream: bool = False
-    keys: list[int] = field(default_factory=list)
-    prefill_tokens: Mapping[str, int] = field(default_factory=dict)
-    """Uncached prompt tokens per backend, for the load ticket of each try."""
-    ticket: Ticket | None = None
-    """The chosen backend's load ticket, taken when the router decided."""
     reason: str | None = None
     """The decision's reason, sent as ``x-kvrouter-reason``; None: not sent."""
     client_authorization: str | None = None
     """The client's ``Authorization``, for backends without a key of their own."""
-    on_fallback: Callable[[str], None] | None = None
-    """Called with the backend a retry moves the request to."""
-    on_done: Callable[[], None] | None = None
-    """Called when the exchange ends, however it ends."""
     method: str = "POST"
 
 
 class ProxyResponse(Response):
-    """Sends one request upstream and relays the answer (see the module docstring)."""
+    """Sends one request upstream and relays the answer (see the module docstring).
 
-    def __init__(self, upstreams: Upstreams, request: Upstream) -> None:
+    ``attempts``: the request's tries, the first opened when the router decided; without
+    them (a passthrough) each try opens its own, and nothing is committed."""
+
+    def __init__(self, upstreams: Upstreams, request: Upstream, attempts: Attempts | None = None) -> None:
         self.status_code = 200
         self.background = None
-        self._up = upstreams
         self._req = request
-        self._first_ticket = request.ticket
-        """Handed to the first try, then None (each retry takes its own)."""
-        self._reason = request.reason
-        self._backend_down = False
-        self._shutting_down = False
+        if attempts is None:
+            attempts = Attempts(upstreams.pool, upstreams.loads, upstreams.retries, request.order, request.model,
+                                request.policy, request.started)
+        self._attempts = attempts
         self._client_gone = False
         self._response_started = False
-        self._watched: tuple[BackendState, asyncio.Task[Any]] | None = None
         self._events: EventCut | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -258,14 +245,16 @@ class ProxyResponse(Response):
         task = asyncio.current_task()
         assert task is not None
         watcher = asyncio.ensure_future(self._cancel_on_disconnect(receive, task))
+        status = 499
         try:
-            await self._run(send)
+            status = await self._exchange(send)
         except asyncio.CancelledError:
             if not self._client_gone:
                 raise
             _uncancel()
         finally:
             watcher.cancel()
+            self._attempts.end(status)
 
     async def _cancel_on_disconnect(self, receive: Receive, task: asyncio.Task[Any]) -> None:
         while (await receive())["type"] != "http.disconnect":
@@ -273,91 +262,117 @@ class ProxyResponse(Response):
         self._client_gone = True
         task.cancel()
 
-    async def _run(self, send: Send) -> None:
-        status = 499
-        backend_name = self._req.order[0] if self._req.order else "none"
-        ticket: Ticket | None = None
-        upstream: aiohttp.ClientResponse | None = None
-        complete = False
+    async def _exchange(self, send: Send) -> int:
+        """Try the backends until one answers and relay its answer; the status the client got."""
+        attempts = self._attempts
+        while (attempt := attempts.next()) is not None:
+            async with attempt:
+                try:
+                    status = await self._try(send, attempt)
+                except asyncio.CancelledError as e:
+                    return await self._cut(send, attempt, e)
+                if status is not None:
+                    return status
         try:
-            try:
-                backend, ticket, upstream = await self._connect()
-            except RouterError as e:
-                status = e.status
-                if isinstance(e, UpstreamError) and e.backend is not None:
-                    backend_name = e.backend
-                await error_response(e)({"type": "http"}, _no_receive, send)
-                return
-            backend_name = backend.name
-            status = upstream.status
-            headers = relayed_headers(upstream.raw_headers)
-            headers.append((BACKEND_HEADER, backend.name.encode()))
-            if self._reason is not None:
-                headers.append((REASON_HEADER, self._reason.encode()))
-            self._watch(backend)
-            if self._req.stream and status == 200:
-                status = await self._relay_stream(send, backend, ticket, upstream, headers)
-            else:
-                status = await self._relay_whole(send, backend, ticket, upstream, headers)
-            complete = status < 500 or status == upstream.status
+            return await self._answer(send, attempts.error or UpstreamError("no backend could be tried"))
+        except asyncio.CancelledError as e:
+            return await self._cut(send, None, e)
+
+    async def _try(self, send: Send, attempt: Attempt) -> int | None:
+        """One attempt: the status the client got, or None when the next backend is tried."""
+        try:
+            upstream = await self._request(attempt)
+        except RouterError as e:
+            return await self._answer(send, e)
+        if upstream is None:
+            return None
+        self._attempts.counted_on = attempt.name
+        headers = relayed_headers(upstream.raw_headers)
+        headers.append((BACKEND_HEADER, attempt.name.encode()))
+        if self._req.reason is not None:
+            reason = "fallback" if self._attempts.tried > 1 else self._req.reason
+            headers.append((REASON_HEADER, reason.encode()))
+        if self._req.stream and upstream.status == 200:
+            status = await self._relay_stream(send, attempt, upstream, headers)
+        else:
+            status = await self._relay_whole(send, attempt, upstream, headers)
+        attempt.finished = status < 500 or status == upstream.status
+        return status
+
+    async def _request(self, attempt: Attempt) -> aiohttp.ClientResponse | None:
+        """Send the request to the attempt's backend: its response, or None when it failed
+        before any response byte (or answered 502/503 with another backend left) and the
+        next backend may take it (``attempts.error`` says why the last one did not)."""
+        req, backend, name = self._req, attempt.backend, attempt.name
+        session = backend.session
+        assert session is not None, "BackendPool.open() was not called"
+        headers = req.headers
+        if req.client_authorization is not None and backend.config.api_key is None:
+            headers = {**headers, "authorization": req.client_authorization}
+        try:
+            upstream = await session.request(req.method, req.path, data=req.body, headers=headers)
+        except (*_CONNECT_ERRORS, *_NO_BYTE_ERRORS) as e:
+            kind = "connect" if isinstance(e, _CONNECT_ERRORS) else "reset"
+            attempt.failed(kind, e)
+            attempt.retried(kind)
+            what = "could not be reached" if kind == "connect" else "closed the connection before answering"
+            self._attempts.error = UpstreamError(f"backend {name} {what}", backend=name)
+            return None
+        except _TIMEOUTS as e:
+            attempt.failed("timeout", e)
+            raise UpstreamTimeout(f"backend {name} did not answer in time", backend=name) from e
+        except aiohttp.ClientError as e:
+            attempt.failed("error", e)
+            raise UpstreamError(f"backend {name} failed before answering", backend=name) from e
         except asyncio.CancelledError:
-            if self._shutting_down:
-                _uncancel()
-                status = 503
-                await self._answer_shutting_down(send)
-            elif not self._backend_down:
-                if self._client_gone and self._events is not None and self._events.complete:
-                    # The client hung up after [DONE] (most do) while the engine's end of the
-                    # response was awaited: it got the whole stream, not a 499.
-                    status, complete = 200, True
-                else:
-                    status = 499
-                    metrics.child(metrics.CLIENT_DISCONNECTS, backend_name).inc()
+            if attempt.aborted != BACKEND_DOWN:
                 raise
-            else:
-                _uncancel()
-                status = 502
-                await self._answer_backend_down(send, backend_name)
-        finally:
-            self._unwatch()
-            if ticket is not None:
-                ticket.release()
-            if self._first_ticket is not None:
-                self._first_ticket.release()
-            if upstream is not None:
-                # A finished exchange returns its connection to the pool; anything else closes
-                # it, which is how vLLM learns to abort the request.
-                if complete:
-                    upstream.release()
-                else:
-                    upstream.close()
-            metrics.child(metrics.REQUESTS, self._req.model, backend_name, self._req.policy, str(status)).inc()
-            if self._req.on_done is not None:
-                self._req.on_done()
+            # The backend was found dead while we waited for its first byte: try another.
+            _uncancel()
+            attempt.went_down()
+            attempt.retried(BACKEND_DOWN)
+            self._attempts.error = UpstreamError(f"backend {name} went down before answering", backend=name)
+            return None
+        attempt.upstream = upstream
+        if upstream.status in (502, 503) and self._attempts.more():
+            attempt.finished = True
+            attempt.answered(upstream.status)
+            attempt.retried(f"status_{upstream.status}")
+            return None
+        return upstream
 
-    def _watch(self, backend: BackendState) -> None:
-        task = asyncio.current_task()
-        if task is not None:
-            self._unwatch()
-            self._watched = (backend, task)
-            backend.in_flight[task] = self._abort
+    async def _cut(self, send: Send, attempt: Attempt | None, cancelled: asyncio.CancelledError) -> int:
+        """The exchange was cancelled: by its backend's death or the router's drain deadline
+        (answered here), or by the client leaving; any other cancellation is raised again."""
+        aborted = attempt.aborted if attempt is not None else None
+        if aborted == SHUTTING_DOWN:
+            _uncancel()
+            await self._answer_shutting_down(send)
+            return 503
+        if aborted == BACKEND_DOWN:
+            assert attempt is not None
+            _uncancel()
+            await self._answer_backend_down(send, attempt)
+            return 502
+        if self._client_gone and attempt is not None and self._events is not None and self._events.complete:
+            # The client hung up after [DONE] (most do) while the engine's end of the
+            # response was awaited: it got the whole stream, not a 499.
+            attempt.finished = True
+            status = 200
+        else:
+            status = 499
+            metrics.child(metrics.CLIENT_DISCONNECTS, self._attempts.counted_on).inc()
+        if not self._client_gone:
+            raise cancelled
+        _uncancel()
+        return status
 
-    def _unwatch(self) -> None:
-        watched = self._watched
-        if watched is not None:
-            watched[0].in_flight.pop(watched[1], None)
-            self._watched = None
-
-    def _abort(self, shutting_down: bool = False) -> None:
-        """End the exchange now: its backend is dead, or (``shutting_down``) the router's
-        drain deadline has come."""
-        watched = self._watched
-        if watched is not None and not (self._backend_down or self._shutting_down):
-            if shutting_down:
-                self._shutting_down = True
-            else:
-                self._backend_down = True
-            watched[1].cancel()
+    async def _answer(self, send: Send, error: RouterError) -> int:
+        """Answer with ``error`` before any response byte went out."""
+        if isinstance(error, UpstreamError) and error.backend is not None:
+            self._attempts.counted_on = error.backend
+        await error_response(error)({"type": "http"}, _no_receive, send)
+        return error.status
 
     async def _answer_shutting_down(self, send: Send) -> None:
         """The drain deadline cut this request: a stream ends with an error event of its own
@@ -370,125 +385,37 @@ class ProxyResponse(Response):
         else:
             await error_response(ShuttingDown(message))({"type": "http"}, _no_receive, send)
 
-    async def _answer_backend_down(self, send: Send, backend: str) -> None:
-        metrics.child(metrics.UPSTREAM_FAILURES, backend, "backend_down").inc()
-        message = f"backend {backend} went down while serving the request"
+    async def _answer_backend_down(self, send: Send, attempt: Attempt) -> None:
+        attempt.went_down()
+        message = f"backend {attempt.name} went down while serving the request"
         if self._response_started:
             event = error_body(message, "server_error", "upstream_error")
             await send({"type": "http.response.body", "body": b"data: " + event + b"\n\n", "more_body": False})
         else:
             await error_response(UpstreamError(message))({"type": "http"}, _no_receive, send)
 
-    async def _connect(self) -> tuple[BackendState, Ticket, aiohttp.ClientResponse]:
-        last: RouterError = UpstreamError("no backend could be tried")
-        tried = 0
-        for name in self._req.order:
-            if tried > self._up.retries:
-                break
-            backend = self._up.pool.backends.get(name)  # None: removed by a config reload since the decision
-            if backend is None or tried > 0 and not backend.routable:
-                continue
-            tried += 1
-            ticket = self._first_ticket
-            self._first_ticket = None
-            if ticket is None or ticket.load.name != name:
-                if ticket is not None:
-                    ticket.release()
-                ticket = self._up.loads.acquire(name, self._req.keys, self._req.prefill_tokens.get(name, 0), self._req.model)
-            if tried == 1:
-                metrics.child(metrics.OVERHEAD_SECONDS, self._req.model).observe(time.perf_counter() - self._req.started)
-            elif self._req.on_fallback is not None:
-                self._req.on_fallback(name)
-            self._watch(backend)
-            session = backend.session
-            assert session is not None, "BackendPool.open() was not called"
-            headers = self._req.headers
-            if self._req.client_authorization is not None and backend.config.api_key is None:
-                headers = {**headers, "authorization": self._req.client_authorization}
-            try:
-                upstream = await session.request(self._req.method, self._req.path, data=self._req.body, headers=headers)
-            except (*_CONNECT_ERRORS, *_NO_BYTE_ERRORS) as e:
-                ticket.release()
-                # Off the backend's in-flight list before reporting: a refused connection
-                # ejects it and aborts its in-flight requests, which must not include this
-                # one (it would be cancelled on its retry, answered "went down" by another backend).
-                self._unwatch()
-                kind = "connect" if isinstance(e, _CONNECT_ERRORS) else "reset"
-                _failed(backend, kind, e, connect_error=kind == "connect")
-                metrics.child(metrics.RETRIES, name, kind).inc()
-                what = "could not be reached" if kind == "connect" else "closed the connection before answering"
-                last = UpstreamError(f"backend {name} {what}", backend=name)
-                continue
-            except _TIMEOUTS as e:
-                ticket.release()
-                _failed(backend, "timeout", e)
-                err = UpstreamTimeout(f"backend {name} did not answer in time", backend=name)
-                raise err from e
-            except aiohttp.ClientError as e:
-                ticket.release()
-                _failed(backend, "error", e)
-                err = UpstreamError(f"backend {name} failed before answering", backend=name)
-                raise err from e
-            except asyncio.CancelledError:
-                ticket.release()
-                if self._shutting_down or not self._backend_down:
-                    raise
-                # The backend was found dead while we waited for its first byte: try another.
-                _uncancel()
-                self._backend_down = False
-                metrics.child(metrics.UPSTREAM_FAILURES, name, "backend_down").inc()
-                metrics.child(metrics.RETRIES, name, "backend_down").inc()
-                last = UpstreamError(f"backend {name} went down before answering", backend=name)
-                continue
-            except BaseException:
-                ticket.release()
-                raise
-            finally:
-                self._unwatch()
-            if upstream.status in (502, 503) and tried <= self._up.retries and self._has_next(name):
-                upstream.release()
-                ticket.release()
-                backend.record_failure(f"answered {upstream.status}")
-                metrics.child(metrics.UPSTREAM_FAILURES, name, f"status_{upstream.status}").inc()
-                metrics.child(metrics.RETRIES, name, f"status_{upstream.status}").inc()
-                continue
-            if tried > 1 and self._reason is not None:
-                self._reason = "fallback"
-            return backend, ticket, upstream
-        raise last
-
-    def _has_next(self, name: str) -> bool:
-        i = self._req.order.index(name)
-        backends = self._up.pool.backends
-        return any(n in backends and backends[n].routable for n in self._req.order[i + 1 :])
-
     async def _relay_whole(
-        self, send: Send, backend: BackendState, ticket: Ticket, upstream: aiohttp.ClientResponse, headers: list[tuple[bytes, bytes]]
+        self, send: Send, attempt: Attempt, upstream: aiohttp.ClientResponse, headers: list[tuple[bytes, bytes]]
     ) -> int:
+        name = attempt.name
         try:
             body = await upstream.read()
         except _TIMEOUTS as e:
-            _failed(backend, "timeout", e)
-            await error_response(UpstreamTimeout(f"backend {backend.name} did not finish in time"))({"type": "http"}, _no_receive, send)
-            return 504
+            attempt.failed("timeout", e)
+            return await self._answer(send, UpstreamTimeout(f"backend {name} did not finish in time"))
         except aiohttp.ClientError as e:
-            _failed(backend, "reset", e)
-            await error_response(UpstreamError(f"backend {backend.name} failed mid-response"))({"type": "http"}, _no_receive, send)
-            return 502
-        ticket.first_token()
+            attempt.failed("reset", e)
+            return await self._answer(send, UpstreamError(f"backend {name} failed mid-response"))
+        attempt.first_byte()
         status = upstream.status
-        if status >= 500:
-            backend.record_failure(f"answered {status}")
-            metrics.child(metrics.UPSTREAM_FAILURES, backend.name, f"status_{status}").inc()
-        else:
-            backend.record_success()
+        attempt.answered(status)
         headers.append((b"content-length", str(len(body)).encode()))
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body, "more_body": False})
         return status
 
     async def _relay_stream(
-        self, send: Send, backend: BackendState, ticket: Ticket, upstream: aiohttp.ClientResponse, headers: list[tuple[bytes, bytes]]
+        self, send: Send, attempt: Attempt, upstream: aiohttp.ClientResponse, headers: list[tuple[bytes, bytes]]
     ) -> int:
         chunks = upstream.content.iter_any().__aiter__()
         cut = self._events = EventCut() if upstream.content_type == "text/event-stream" else None
@@ -500,7 +427,7 @@ class ProxyResponse(Response):
                 first: bytes = await chunks.__anext__()
             except StopAsyncIteration:
                 first = b""
-            ticket.first_token()
+            attempt.first_byte()
             await send({"type": "http.response.start", "status": 200, "headers": headers})
             self._response_started = True
             await send({"type": "http.response.body", "body": first if cut is None else cut.feed(first), "more_body": True})
@@ -512,35 +439,21 @@ class ProxyResponse(Response):
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except (aiohttp.ClientError, *_TIMEOUTS) as e:
             kind = "timeout" if isinstance(e, _TIMEOUTS) else "reset"
-            _failed(backend, kind, e, during="mid-stream")
-            message = f"backend {backend.name} failed mid-stream"
+            attempt.failed(kind, e, during="mid-stream")
+            message = f"backend {attempt.name} failed mid-stream"
             if not self._response_started:
-                error = UpstreamTimeout(message) if kind == "timeout" else UpstreamError(message)
-                await error_response(error)({"type": "http"}, _no_receive, send)
-                return error.status
+                return await self._answer(send, UpstreamTimeout(message) if kind == "timeout" else UpstreamError(message))
             event = (cut or EventCut()).error_event(message)
             await send({"type": "http.response.body", "body": event, "more_body": False})
             return 502
         if cut is not None and not cut.complete:
-            backend.record_failure("stream ended without [DONE]")
-            metrics.child(metrics.UPSTREAM_FAILURES, backend.name, "truncated").inc()
-            log.warning("backend %s: stream ended without [DONE] (%d bytes of an unfinished event dropped)",
-                        backend.name, cut.held_bytes)
-            event = cut.error_event(f"backend {backend.name} ended the stream early")
+            attempt.truncated(cut.held_bytes)
+            event = cut.error_event(f"backend {attempt.name} ended the stream early")
             await send({"type": "http.response.body", "body": event, "more_body": False})
             return 502
-        backend.record_success()
+        attempt.answered(200)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         return 200
-
-
-def _failed(backend: BackendState, kind: str, exc: BaseException, *, connect_error: bool = False, during: str = "") -> None:
-    """Count an upstream failure and keep its detail for the operator: the log and
-    ``/debug/backends`` get the exception (it names the address), the client does not."""
-    detail = f"{kind}{' ' + during if during else ''}: {exc!r}"
-    backend.record_failure(detail, connect_error=connect_error)
-    metrics.child(metrics.UPSTREAM_FAILURES, backend.name, kind).inc()
-    log.warning("backend %s: %s", backend.name, detail)
 
 
 def _uncancel() -> None:

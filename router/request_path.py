@@ -1,6 +1,7 @@
-"""The request path, top to bottom: parse, resolve model, plan, look up, choose, send, settle.
+"""The request path, top to bottom: parse, resolve model, plan, look up, choose, order, send, settle.
 
-Every OpenAI request takes these stages in this order, each in a module of its own:
+Every OpenAI request takes these stages in this order, each in a module of its own (the
+other modules' docstrings use these numbers and names):
 
 1. **parse** (:mod:`router.parse`): the bounded body, decoded once; the fields routing reads;
 2. **resolve model** (:mod:`router.runtime`): the served name to its model (and LoRA key);
@@ -9,16 +10,18 @@ Every OpenAI request takes these stages in this order, each in a module of its o
    remembered history's keys) with the rest owed to the background;
 4. **look up** (the index, :mod:`indexer.index`): leading blocks per backend and tier;
 5. **choose** (:mod:`router.choose`): candidates with their load; the policy decides;
-   replicas then commit the decision to the fleet-state log they share, deciding again if
-   other replicas' decisions overtook it (:meth:`RequestPath.order`, :mod:`router.fleet.stream`);
-6. **send** (:mod:`router.proxy`): the original bytes to the chosen backend, retried on
+6. **order** (:mod:`router.fleet.stream`, replicas only): the decision committed to the
+   fleet-state log the replicas share, decided again if other replicas' decisions
+   overtook it (:meth:`RequestPath.order`);
+7. **send** (:mod:`router.attempt`, :mod:`router.proxy`): each try an attempt that owns
+   its load ticket and the policy's commit; the original bytes to its backend, retried on
    the next before any byte came back, relayed as they arrive;
-7. **settle** (:mod:`router.settle`): what the plan owes, on the background thread.
+8. **settle** (:mod:`router.settle`): what the plan owes, on the background thread.
 
 Stages 1-5 are pure deciding (:meth:`RequestPath.decide`): they change no routing state,
 count nothing and start nothing, so ``POST /debug/route`` runs them too (on the exact ids).
-:meth:`RequestPath.order` and :meth:`RequestPath.send` are the acting half: the load ticket, the policy's commit, the
-counters, the owed work and the proxied exchange.
+Stages 6-8 act (:meth:`RequestPath.order`, :meth:`RequestPath.send`): the replicas' order,
+the load ticket, the policy's commit, the counters, the owed work and the proxied exchange.
 
 Completions with a list of prompts are routed on the first prompt (all are checked
 against ``max_model_len``): vLLM schedules each prompt as its own request, so only one
@@ -29,10 +32,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from indexer.index import Index, Worker
 from router import metrics
+from router.attempt import Attempts
 from router.choose import Decided, candidates, commit, prefill_tokens, uncached
 from router.config import RouterSettings
 from router.errors import NoHealthyBackend
@@ -118,8 +123,8 @@ class RequestPath:
         return Decided(q, plan, ctx, cands, decision, lookup_s)
 
     async def order(self, d: Decided) -> None:
-        """Stage 5b, replicas only: commit the decision to the fleet-state log all replicas
-        share, deciding again if other replicas' decisions overtook it
+        """Stage 6, *order*, replicas only: commit the decision to the fleet-state log all
+        replicas share, deciding again if other replicas' decisions overtook it
         (:meth:`router.fleet.stream.FleetStream.order`): kv_aware's decisions with a choice to
         make. :meth:`send` must follow at once, without an ``await`` in between."""
         stream = self.stream
@@ -155,31 +160,28 @@ class RequestPath:
     def send(
         self, d: Decided, path: str, raw: bytes, headers: dict[str, str], client_authorization: str | None, started: float,
     ) -> ProxyResponse:
-        """Stages 6 and 7: account the request on its backend, let the policy learn, count
-        the decision, schedule what the plan owes, and hand the original bytes to the
-        proxy. Everything before the proxy's first await runs now, so the next decision
-        already sees this request (its load, its remembered prefix, its pending settle)."""
-        chosen = d.decision.backend  # 6. send
-        prefill = prefill_tokens(d.ctx, d.candidates)
-        ticket = self.loads.acquire(chosen, d.ctx.keys, prefill[chosen], d.rt.name, announced=d.ordered)
+        """Stages 7 and 8: open the first attempt (the load ticket on the chosen backend, the
+        policy's commit), count the decision, schedule what the plan owes, and hand the
+        original bytes to the proxy. Everything before the proxy's first await runs now, so
+        the next decision already sees this request (its load, its remembered prefix, its
+        pending settle)."""
+        up, order, rt = self.upstreams, d.decision.order, d.rt
+        attempts = Attempts(up.pool, up.loads, up.retries, order, rt.name, rt.policy.name, started,
+                            keys=d.ctx.keys, prefill=prefill_tokens(d.ctx, d.candidates), commit=partial(commit, d))
         try:
-            commit(d, chosen)
+            first = attempts.open(d.decision.backend, announced=d.ordered)  # 7. send
             _count(d)
-            return ProxyResponse(self.upstreams, Upstream(
-                path, raw, headers, d.decision.order, d.rt.name, d.rt.policy.name, started,
+            attempts.on_done = d.plan.owe(self.settler, d, first.ticket)  # 8. settle
+            return ProxyResponse(up, Upstream(
+                path, raw, headers, order, rt.name, rt.policy.name, started,
                 stream=d.q.body.get("stream") is True,
-                keys=d.ctx.keys,
-                prefill_tokens=prefill,
-                ticket=ticket,
                 reason=d.decision.reason if self.settings.expose_decision_headers else None,
                 client_authorization=client_authorization,
-                on_fallback=lambda backend: commit(d, backend),
-                on_done=self.settler.owe(d, ticket),  # 7. settle
-            ))
+            ), attempts)
         except BaseException:
-            # The proxy releases the ticket once it owns it; until then nothing would, and a
+            # The proxy ends the attempt once it owns it; until then nothing would, and a
             # leaked ticket is phantom load on the backend for the router's lifetime.
-            ticket.release()
+            attempts.abandon()
             raise
 
 

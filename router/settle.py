@@ -1,21 +1,23 @@
 """Stage 8 of the request path, *settle*: what a sent request still owes, paid in the background.
 
-Each plan (:mod:`router.plans`) says what it owes:
+Each plan says what it owes (:meth:`router.plans.Plan.owe`) by asking the :class:`Settler`
+for the work it needs:
 
-- a :class:`~router.plans.Deferred` plan, its full tokenization: the exact ids and keys
-  replace the estimate on its load ticket (:meth:`router.load.Ticket.settle`), the
-  policy remembers the real keys, the mode checks what it was routed on (``verify``), and
-  a chat teaches the history memo its messages;
-- an :class:`~router.plans.ExactIds` plan, the sampled checks of its ids (segment cache
-  against a full tokenization, local against a backend's ``/tokenize``) and, for a chat
-  the memo can key, learning its history for the next turn.
+- a deferred plan (:class:`~router.plans.Deferred`), :meth:`Settler.tokenize`: its full
+  tokenization; the exact ids and keys replace the estimate on its load ticket
+  (:meth:`router.load.Ticket.settle`), the policy remembers the real keys, the mode checks
+  what it was routed on (``verify``), and a chat teaches the history memo its messages;
+- the full path (:class:`~router.plans.ExactIds`), :meth:`Settler.check_ids`, the sampled
+  checks of its ids (segment cache against a full tokenization, local against a backend's
+  ``/tokenize``), and :meth:`Settler.learn_history`, for a chat the memo can key, learning
+  its history for the next turn.
 
 The work starts :data:`SETTLE_DELAY_S` after the request is sent, or sooner: when its
-response is complete (the proxy's ``on_done``), or when a request with the same first
-block needs its keys (:meth:`Settler.after_pending`). Starting at once would compete for
-the CPU (and the GIL) with the engine and the event loop exactly while the request is
-being sent and first answered; nothing needs the exact keys that soon, and its load
-ticket carries an estimate meanwhile. All of it goes through :mod:`router.background`.
+response is complete (:meth:`router.attempt.Attempts.end`), or when a request with the
+same first block needs its keys (:meth:`Settler.after_pending`). Starting at once would
+compete for the CPU (and the GIL) with the engine and the event loop exactly while the
+request is being sent and first answered; nothing needs the exact keys that soon, and its
+load ticket carries an estimate meanwhile. All of it goes through :mod:`router.background`.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from router.choose import Decided, uncached
 from router.errors import BadRequest
 from router.history import Chain, Entry, learn_entries
 from router.load import Ticket
-from router.plans import Deferred, ExactIds, RememberedHistory, rendered_now
+from router.plans import Deferred, ExactIds, rendered_now
 from router.prompt_ids import Ids, Rendered, local_ids, observe_ids
 from router.runtime import ModelRuntime
 from router.tokenize import TokenizeError
@@ -80,25 +82,18 @@ class Settler:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(pending.done.wait(), PENDING_WAIT_S)
 
-    def owe(self, d: Decided, ticket: Ticket) -> Callable[[], None] | None:
-        """Schedule what ``d`` owes; returns what starts it sooner (None: nothing owed).
-        Called right after the decision, before any await, so a request with the same
-        new first block finds it pending."""
-        plan = d.plan
-        if isinstance(plan, Deferred):
-            if isinstance(plan, RememberedHistory) and plan.hit is not None and d.rt.history is not None:
-                d.rt.history.touch(plan.hit)
-            pending = Pending()
-            key = (d.rt.name, plan.keys[0])
-            if plan.registers_pending:
-                self._pending[key] = pending
-            self.background.spawn(self._settle(d, plan, ticket, key, pending))
-            return pending.wake.set
-        assert isinstance(plan, ExactIds)
-        self._sample_checks(d, plan)
-        return self._learn_later(d, plan)
-
     # -- deferred plans ------------------------------------------------------------------
+
+    def tokenize(self, d: Decided, plan: Deferred, ticket: Ticket) -> Callable[[], None]:
+        """A deferred plan's debt: its full tokenization, in the background; returns what
+        starts it sooner. A cold head's is registered pending at once, so a request with
+        the same new first block waits for it (:meth:`after_pending`)."""
+        pending = Pending()
+        key = (d.rt.name, plan.keys[0])
+        if plan.registers_pending:
+            self._pending[key] = pending
+        self.background.spawn(self._settle(d, plan, ticket, key, pending))
+        return pending.wake.set
 
     async def _settle(self, d: Decided, plan: Deferred, ticket: Ticket, key: tuple[str, int], pending: Pending) -> None:
         rt = d.rt
@@ -129,7 +124,7 @@ class Settler:
 
     # -- exact plans -----------------------------------------------------------------------
 
-    def _sample_checks(self, d: Decided, plan: ExactIds) -> None:
+    def check_ids(self, d: Decided, plan: ExactIds) -> None:
         """The sampled comparisons of a full-path request's ids: its segment-cached ids
         against a full tokenization (a whole cold tokenization: on the background thread),
         and its local ids against a backend's."""
@@ -143,9 +138,10 @@ class Settler:
         if rt.guard.should_check():
             self.background.spawn(self._parity_check(rt, d.q.body, d.q.kind, plan.token_ids))
 
-    def _learn_later(self, d: Decided, plan: ExactIds) -> Callable[[], None] | None:
+    def learn_history(self, d: Decided, plan: ExactIds) -> Callable[[], None] | None:
         """For a chat request tokenized before it was sent: remember its messages' keys
-        for the next turn, once it is answered (or after :data:`SETTLE_DELAY_S`)."""
+        for the next turn, once it is answered (or after :data:`SETTLE_DELAY_S`); returns
+        what starts it sooner (None: nothing to learn)."""
         memo, chain = d.rt.history, d.q.chain
         if memo is None or chain is None or not plan.keys:
             return None
