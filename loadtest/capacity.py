@@ -107,11 +107,11 @@ def capacity(points: list[dict[str, Any]], slo_ms: float) -> Capacity:
     """One policy's capacity at ``slo_ms`` from its sweep points (any order: they are taken by offered rate).
 
     The highest offered rate that meets the SLO, moved towards the next point by linear
-    interpolation of TTFT p90 between the two (the crossing lies between them). The
-    highest such point, not the first: a dip and recovery along the curve is noise the
-    medians of repeats should remove, and the contract's definition is the highest rate
-    within the SLO. Meeting it at the last point gives that rate as a lower bound; meeting it
-    nowhere gives 0.
+    interpolation of TTFT p90 between the two (the crossing lies between them). The highest
+    such point, not the one before the first crossing: noise on a shared machine adds latency
+    and rarely removes it, so a point over the SLO below one within it is more likely a spike
+    than the policy's limit (medians of repeats make both rarer). Meeting the SLO at the last
+    point gives that rate as a lower bound; meeting it nowhere gives 0.
     """
     return crossing(sorted(points, key=lambda p: p["offered_req_per_s"]), slo_ms)
 

@@ -499,11 +499,17 @@ def plot_capacity(sweep: list[dict[str, Any]], cap: dict[str, Any], path: Path, 
 
 
 def _log_ms_axis(ax: Any) -> None:
-    """A log y axis labelled in plain milliseconds (500, 1,000, 2,000), not powers of ten: an SLO is read in ms."""
+    """A log y axis labelled in plain milliseconds (500, 1,000, 2,000), not powers of ten: an SLO is read
+    in ms. Call it after plotting: the labels thin out over several decades and fill in under about
+    a decade and a half, which would otherwise show two."""
     from matplotlib import ticker
 
     ax.set_yscale("log")
-    ax.yaxis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+    ax.autoscale_view()
+    lo, hi = ax.get_ylim()
+    decades = hi / lo
+    subs = (1.0,) if decades > 1000 else (1.0, 2.0, 5.0) if decades > 30 else (1.0, 1.5, 2.0, 3.0, 5.0, 7.0)
+    ax.yaxis.set_major_locator(ticker.LogLocator(subs=subs))
     ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:,.0f}" if v >= 1 else f"{v:g}"))
     ax.yaxis.set_minor_formatter(ticker.NullFormatter())
 
