@@ -3,7 +3,7 @@
 The plan stage (:mod:`router.plans`) calls :meth:`IdSource.exact` for every request it
 routes on all of its ids. Where the work runs is decided by its size:
 
-- on the event loop when it is cheap: a body of at most ``router.inline_tokenize_bytes``,
+- on the event loop when it is cheap: a body of at most ``Tuning.inline_tokenize_bytes`` (router/tuning.py),
   a rendered prompt with at most that many characters the segment cache lacks, or a
   prompt given as at most :data:`INLINE_ID_TOKENS` token ids. Under load the thread hop
   is what costs: the job waits for a pool thread and the GIL (held by the other tokenizer
@@ -71,7 +71,7 @@ class IdSource:
         self.executor = executor
         self.pool = pool
         self.inline_bytes = inline_bytes
-        """``router.inline_tokenize_bytes``: text this short is tokenized on the event loop."""
+        """``Tuning.inline_tokenize_bytes``: text this short is tokenized on the event loop."""
 
     async def exact(
         self, rt: ModelRuntime, body: dict[str, Any], kind: str, raw_len: int,
