@@ -638,8 +638,11 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def short_options(opt: ChaosOptions) -> ChaosOptions:
-    """Every timing cut so a scenario takes well under a minute (tests, ``--short``)."""
-    return replace(opt, speedup=8.0, health_interval_s=1.5, warmup_s=3.0, after_s=4.0, pause_s=2.0, cut_s=3.0,
+    """Every timing cut so a scenario takes well under a minute (tests, ``--short``). The pause
+    outlasts a health interval plus a check's timeout (1.5 + 1.125 s), so some check always
+    times out inside it whatever the health loop's phase (at 2 s only one started in its first
+    0.875 s did, and the outcome hung on when the router had started)."""
+    return replace(opt, speedup=8.0, health_interval_s=1.5, warmup_s=3.0, after_s=4.0, pause_s=3.0, cut_s=3.0,
                    drop_s=4.0, down_s=1.5, settle_s=20.0, hang_s=30.0)
 
 
