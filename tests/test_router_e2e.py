@@ -765,7 +765,8 @@ def test_a_dead_backend_is_retried_ejected_and_readmitted(fleet: dict[str, Any])
 
 
 def test_circuit_breaker_opens_on_repeated_5xx_and_closes_after_cooldown(fleet: dict[str, Any]) -> None:
-    cfg = fleet_config(fleet, policy="round_robin", breaker_failures=3, breaker_cooldown_s=1.0)
+    # A cooldown far longer than the 24 requests take: the circuit must still be open when they end.
+    cfg = fleet_config(fleet, policy="round_robin", breaker_failures=3, breaker_cooldown_s=5.0)
     with InProcessRouter(cfg) as r:
         fault(fleet, 1, error_rate=1.0)
         try:
@@ -778,7 +779,7 @@ def test_circuit_breaker_opens_on_repeated_5xx_and_closes_after_cooldown(fleet: 
             assert statuses[500] <= 4, statuses  # the breaker stopped sending to sim-1 after 3 failures
         finally:
             fault(fleet, 1, error_rate=0.0)
-        time.sleep(1.2)
+        time.sleep(5.2)
         seen = {httpx.post(r.url + "/v1/completions", json={"model": MODEL, "prompt": f"ok {i}", "max_tokens": 1}).headers["x-kvrouter-backend"] for i in range(8)}
         assert "sim-1" in seen
         wait_idle(r.url)
