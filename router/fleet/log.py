@@ -1,16 +1,14 @@
 """The fleet-state log: what every router process did, in one order, folded alike by all.
 
-Workers and replicas each decide alone, yet each must weigh every process's requests, follow
-every process's recent decisions (a burst on a new prefix lands where its first request went),
-weigh the fleet's request share and agree on health: one event log carries it all, as Dynamo's
-router replicas share one active-sequence stream. Each process appends what it did: a request
-:class:`Decided` (backend, prefix keys, the load it adds), its :class:`FirstToken` and
-:class:`Ended`, a deferred one :class:`Settled`, a health :class:`Verdict`, the engines'
-:class:`Scraped` gauges, and every :data:`SNAPSHOT_S` a :class:`Snapshot` of its load (its
-heartbeat); every process folds the others' into the same :class:`FleetState`. Records carry
-load *changes* and a snapshot sets a sender's counters outright; a sender's records keep their
-order, so this is exact, a lost record costs one snapshot interval, and a reader joining
-mid-log counts a sender from its next snapshot. A sender silent for ``ttl_s`` stops counting.
+Workers and replicas decide alone, yet each must weigh every process's requests and recent
+decisions (a burst on a new prefix lands where its first request went), the fleet's request
+share and health: one log carries it all, as Dynamo's router replicas share one active-sequence
+stream. Each process appends what it did (:class:`Decided`, :class:`FirstToken`, :class:`Ended`,
+:class:`Settled`, :class:`Verdict`, :class:`Scraped`) and every :data:`SNAPSHOT_S` a
+:class:`Snapshot` of its load, its heartbeat; every process folds the others' into the same
+:class:`FleetState`. Records carry load *changes*, a snapshot sets a sender's counters outright
+and a sender's records keep their order: the fold is exact, a lost record costs one snapshot
+interval, and a sender silent for ``ttl_s`` stops counting.
 """
 
 from __future__ import annotations
@@ -28,8 +26,8 @@ if TYPE_CHECKING:
 
 
 Load = tuple[int, int, int, int, int]
-"""Changes of (or, in a snapshot, the values of) one backend's :data:`LOAD_FIELDS`."""
-LOAD_FIELDS = ("in_flight", "prefill_tokens", "decode_seqs", "active_blocks", "context_blocks")
+"""Changes of (in a snapshot: the values of) one backend's in_flight, prefill_tokens,
+decode_seqs, active_blocks and context_blocks."""
 SNAPSHOT_S = 0.25
 """How often a process appends its whole load (the heartbeat that keeps it counted)."""
 TTL_S = 1.0
@@ -50,8 +48,7 @@ class FirstToken(msgspec.Struct, tag=2, array_like=True):
     load: Load
 
 
-class Ended(FirstToken, tag=3):
-    pass
+class Ended(FirstToken, tag=3): ...
 
 
 class Settled(Decided, tag=4):
@@ -69,8 +66,7 @@ class Verdict(msgspec.Struct, tag=6, array_like=True):
 
 
 class Scraped(msgspec.Struct, tag=7, array_like=True):
-    """The health leader's scrape of one engine's gauges: waiting, running, KV usage, the
-    requests beyond the router's own count, and when (None: the scrape failed)."""
+    """The health leader's scrape of one engine's gauges (``at`` None: it failed)."""
 
     backend: str
     waiting: float | None
@@ -102,8 +98,7 @@ def _shift(counters: list[int], d: Load | list[int], sign: int = 1) -> None:
 @dataclass(slots=True)
 class _Sender:
     heard: float
-    loads: dict[str, list[int]] | None = None
-    """Per backend, the sender's counters; None until its first snapshot."""
+    loads: dict[str, list[int]] | None = None  # per backend; None until its first snapshot
 
 
 class FleetState:
@@ -117,17 +112,14 @@ class FleetState:
         self.ttl_s = ttl_s
         self._clock = clock
         self._senders: dict[str, _Sender] = {}
-        self.remote: dict[str, list[int]] = {}
-        """Per backend, the counters summed over every other live sender."""
+        self.remote: dict[str, list[int]] = {}  # per backend, summed over the other live senders
         self.on_verdict: Callable[[Verdict], None] | None = None
         self.on_scraped: Callable[[Scraped], None] | None = None
 
     def fold(self, sender: str, records: list[Record], age_s: float = 0.0) -> bool:
         """Apply ``sender``'s records, in order; returns whether one was a decision.
         ``age_s``: how old they are (a prefix older than the memory's TTL is not learned)."""
-        s = self._senders.get(sender)
-        if s is None:
-            s = self._senders[sender] = _Sender(0.0)
+        s = self._senders.setdefault(sender, _Sender(0.0))
         s.heard = self._clock()
         decided = False
         for r in records:
@@ -145,10 +137,9 @@ class FleetState:
                 self._add(s, r.backend, r.load)
             elif isinstance(r, Snapshot):
                 self._set(s, r.loads)
-            elif isinstance(r, Verdict):
-                if self.on_verdict is not None:
-                    self.on_verdict(r)
-            elif self.on_scraped is not None:
+            elif isinstance(r, Verdict) and self.on_verdict is not None:
+                self.on_verdict(r)
+            elif isinstance(r, Scraped) and self.on_scraped is not None:
                 self.on_scraped(r)
         return decided
 
@@ -178,9 +169,7 @@ class FleetState:
 
     def drop(self, sender: str) -> None:
         """Forget a sender's load now (it restarted, or records of it were lost)."""
-        s = self._senders.pop(sender, None)
-        if s is not None:
-            self._withdraw(s)
+        self._withdraw(self._senders.pop(sender, _Sender(0.0)))
 
     def expire(self) -> int:
         """Drop the senders silent for ``ttl_s``; returns how many."""

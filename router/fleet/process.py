@@ -16,8 +16,7 @@ log = logging.getLogger(__name__)
 
 
 class FleetLog:
-    """This process's side: appends its records to every transport, folds the others'
-    into :attr:`state`, and keeps its snapshots (heartbeats) and the senders' expiry going."""
+    """Appends to every transport, folds the others' into :attr:`state`, snapshots, expires."""
 
     def __init__(self, state: FleetState, snapshot: Callable[[], dict[str, Load]], host: Ring | None = None,
                  fleet: FleetStream | None = None) -> None:
@@ -36,8 +35,7 @@ class FleetLog:
             self.fleet.append(records)
 
     def catch_up(self) -> None:
-        """Fold what the host's other workers appended since the last look (the stream is
-        folded as it arrives)."""
+        """Fold what the host's other workers appended (the stream is folded as it arrives)."""
         if self.host is not None:
             self.host.catch_up(self.state)
 
@@ -60,7 +58,6 @@ class FleetLog:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def aclose(self) -> None:
-        """The stream withdraws this process's load; a ring's mapping stays until the process
-        exits (a request still ending may append)."""
+        """Withdraw this process's load from the stream (a ring's stays mapped: a request may still end)."""
         if self.fleet is not None:
             await self.fleet.aclose()

@@ -1,16 +1,17 @@
 """The fleet-state log between the workers of one host: one ring of bytes per worker.
 
 One memory-mapped file in the supervisor's run directory holds a header, per worker its
-generation, start and cursor, then per worker a ring. A worker appends each batch of records
-(4-byte length, msgpack) and then advances its cursor, one aligned 8-byte store after the bytes:
-one writer, no lock. A reader a whole ring behind skips to the cursor and forgets that worker's
-load until its next snapshot. The supervisor bumps a worker's generation when it dies (readers
-drop its load at once) and when it starts another. A file, not ``SharedMemory``: Python 3.11's
-resource tracker unlinks that when its first user exits.
+generation, start and cursor, then per worker a ring. A worker appends each batch (4-byte
+length, msgpack), then advances its cursor with one aligned 8-byte store: one writer, no lock.
+A reader a whole ring behind skips to the cursor and forgets that worker's load until its next
+snapshot. The supervisor bumps a worker's generation when it dies (readers drop its load at
+once) and when it starts another. A file, not ``SharedMemory``: Python 3.11's resource
+tracker unlinks that when its first user exits.
 """
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 from pathlib import Path
@@ -133,8 +134,6 @@ class Ring:
 
     def close(self) -> None:
         self.words.release()
-        try:
+        with contextlib.suppress(BufferError):  # a view still held elsewhere: the exit unmaps it
             self._mm.close()
-        except BufferError:
-            pass
         os.close(self._fd)

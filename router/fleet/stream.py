@@ -1,16 +1,15 @@
 """The fleet-state log between router replicas: one Redis Stream per fleet (``router.fleet_state``).
 
-Each process appends entries to ``{namespace}:fleet`` (its name and a batch of records) and
-folds the other replicas' as a blocking ``XREAD`` brings them (its own host's workers reach it
-through their ring); a decision never waits on a read. Queued records go out as one entry,
-then the sender waits :data:`FLUSH_S`; a snapshot due is built as its entry's last record, so
-it covers every change before it. kv_aware's decisions are committed by one atomic script
-(:meth:`FleetStream.order`) only if no other process decided after the last entry folded;
-else the script returns those entries, they are folded, and the decision is made again (the
-:data:`ATTEMPTS`-th is committed whatever came): each decision sees every one committed
-before it, as in one process. The stream is trimmed to :data:`MAXLEN` entries and expires
-when nobody writes. Redis down or slower than :data:`TIMEOUT_S`: decisions go as decided
-alone, a snapshot re-bases the others once it answers, and each failure state is logged once.
+Each process appends entries to ``{namespace}:fleet`` (its name and a batch of records), at
+most one per :data:`FLUSH_S`, a snapshot due built as the entry's last record so it covers
+every change before it; it folds the other replicas' entries as a blocking ``XREAD`` brings
+them (its own host's workers reach it through their ring). kv_aware's decisions are committed
+by one atomic script (:meth:`FleetStream.order`) only if no other process decided after the
+last entry folded; else the script returns those entries, they are folded and the decision is
+made again (the :data:`ATTEMPTS`-th goes whatever came): each decision sees every one
+committed before it, as in one process. Redis down or slower than :data:`TIMEOUT_S`:
+decisions go as decided alone, a snapshot re-bases the others once it answers, and each
+failure state is logged once.
 """
 
 from __future__ import annotations
@@ -47,10 +46,9 @@ if (tonumber(string.match(cursor, '^(%d+)')) or 0) < floor then start = floor ..
 local out, news = {0, cursor}, false
 for _, e in ipairs(redis.call('XRANGE', key, start, '+')) do
   out[2] = e[1]
-  local f = e[2]
-  if string.sub(f[2], 1, #mine) ~= mine then
-    for _, v in ipairs({e[1], f[2], f[4], f[6]}) do out[#out + 1] = v end
-    if f[4] == '1' then news = true end
+  if string.sub(e[2][2], 1, #mine) ~= mine then
+    for _, v in ipairs({e[1], e[2][2], e[2][4], e[2][6]}) do out[#out + 1] = v end
+    news = news or e[2][4] == '1'
   end
 end
 if news and ARGV[3] ~= '1' then return out end
@@ -59,12 +57,6 @@ out[2] = redis.call('XADD', key, 'MAXLEN', '~', ARGV[6], '*', 's', ARGV[4], 'd',
 redis.call('PEXPIRE', key, ARGV[8])
 return out
 """
-
-
-def process_id(replica: str, worker: int) -> str:
-    """``{replica}/{worker}.{pid}``: a process's name in the stream. The pid makes a restarted
-    worker a new sender; the ``{replica}/`` prefix is what one host's workers skip."""
-    return f"{replica}/{worker}.{os.getpid()}"
 
 
 def _id(entry_id: str) -> tuple[int, int]:
@@ -83,25 +75,22 @@ class FleetStream:
                                              socket_connect_timeout=timeout)
         self._script = self.redis.register_script(_COMMIT)
         self.key = f"{namespace}:fleet"
-        self.me = process_id(replica, worker)
-        self.mine = f"{replica}/"
+        self.me = f"{replica}/{worker}.{os.getpid()}"  # the pid: a restarted worker is a new sender
+        self.mine = f"{replica}/"  # what this host's workers skip (their ring brings them)
         self.ttl_ms = max(1, int(ttl_s * 1000))
         self._snapshot = snapshot
         self._queue: list[Record] = []
         self._snapshot_due = True
         self._wake = asyncio.Event()
         self._lock = asyncio.Lock()
-        self.cursor = "0-0"
-        """The last entry folded (the reader and the commits both advance it)."""
+        self.cursor = "0-0"  # the last entry folded (the reader and the commits both advance it)
         self.state: FleetState | None = None
         self._failing: set[str] = set()
 
     def append(self, records: list[Record]) -> None:
-        for r in records:
-            if isinstance(r, Snapshot):
-                self._snapshot_due = True  # built when sent, as the entry's last record
-            else:
-                self._queue.append(r)
+        kept = [r for r in records if not isinstance(r, Snapshot)]  # a snapshot is built when sent
+        self._queue += kept
+        self._snapshot_due = self._snapshot_due or len(kept) < len(records)
         self._wake.set()
 
     async def run(self, state: FleetState) -> None:
@@ -128,7 +117,7 @@ class FleetStream:
 
     async def _add(self, records: list[Record]) -> None:
         pipe = self.redis.pipeline(transaction=False)
-        decided = "1" if any(isinstance(r, Decided) for r in records) else "0"
+        decided = int(any(isinstance(r, Decided) for r in records))
         pipe.xadd(self.key, {"s": self.me, "d": decided, "r": encode(records)}, maxlen=MAXLEN, approximate=True)
         pipe.pexpire(self.key, 4 * self.ttl_ms)
         await pipe.execute()
@@ -141,8 +130,6 @@ class FleetStream:
                     for entry_id, fields in entries:
                         self._fold(entry_id.decode(), fields.get(b"s", b""), fields.get(b"r", b""))
                 self._failed("read", None)
-            except asyncio.CancelledError:
-                raise
             except Exception as e:  # noqa: BLE001 - Redis down or restarted: read again from where it was
                 self._failed("read", e)
                 await asyncio.sleep(0.5)
@@ -189,30 +176,27 @@ class FleetStream:
                 self._failed("order", None)
                 for i in range(2, len(out) - 3, 4):  # id, sender, decided flag, records
                     self._fold(out[i].decode(), out[i + 1], out[i + 3])
-                if int(out[0]):
-                    if _id(out[1].decode()) > _id(self.cursor):
-                        self.cursor = out[1].decode()  # every other entry before it was just folded
+                if int(out[0]):  # every other entry before it was just folded:
+                    self.cursor = max(self.cursor, out[1].decode(), key=_id)
                     break
                 overtaken += 1
                 again()
-        outcome = "moved" if r.backend != first else "again" if overtaken else "first"
-        metrics.child(metrics.SEQUENCED, outcome).inc()
+        metrics.child(metrics.SEQUENCED, "moved" if r.backend != first else "again" if overtaken else "first").inc()
         metrics.child(metrics.SEQUENCE_SECONDS, "wait").observe(t1 - t0)
         metrics.child(metrics.SEQUENCE_SECONDS, "commit").observe(time.perf_counter() - t1)
         return True
 
     def _failed(self, what: str, e: Exception | None) -> None:
         """Count a failure (``e``) or a success (None), and log each change of state once."""
-        if e is None:
-            if what in self._failing:
-                self._failing.discard(what)
-                log.info("fleet state: Redis answers again (%s)", what)
-            return
-        metrics.child(metrics.FLEET_LOG_FAILURES, what).inc()
-        if what not in self._failing:
+        if e is None and what in self._failing:
+            self._failing.discard(what)
+            log.info("fleet state: Redis answers again (%s)", what)
+        elif e is not None and what not in self._failing:
             self._failing.add(what)
             log.warning("fleet state: cannot %s the replicas' stream in Redis (%s: %s); this replica routes on "
                         "what it sees itself until Redis answers", what, type(e).__name__, e)
+        if e is not None:
+            metrics.child(metrics.FLEET_LOG_FAILURES, what).inc()
 
     async def aclose(self) -> None:
         """Withdraw this process's load at once (a clean stop need not wait for the TTL)."""
