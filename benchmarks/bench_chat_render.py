@@ -1,6 +1,6 @@
 """Chat-template render time per request: the memoizing sandbox vs plain transformers, same run.
 
-``router/fast_sandbox.py`` exists only for speed, so it has to keep earning its place
+``router/prompt/fast_sandbox.py`` exists only for speed, so it has to keep earning its place
 against what vLLM itself does: ``tokenizer.apply_chat_template(..., tokenize=False)``
 through transformers' stock ``ImmutableSandboxedEnvironment``. Cases, all with the shipped
 Qwen3 template and ShareGPT text, rendered from the conversation the router hands the
@@ -14,7 +14,7 @@ template (normalisation is timed separately, it is the same code either way):
 * tools: the medium chat with 4 tool definitions (``tojson`` on each).
 
 Columns (medians of ``--reps`` renders, ms): ``stock`` is ``apply_chat_template``, as
-vLLM calls it; ``own stock`` is router.chat_template's environment in jinja2's stock
+vLLM calls it; ``own stock`` is router.prompt.chat_template's environment in jinja2's stock
 sandbox (what owning the environment costs or saves by itself); ``memo`` the same in
 the memoizing sandbox, as the router renders; ``router`` is
 :meth:`PromptTokenizer.render_chat` on the whole request body (normalisation included).
@@ -31,10 +31,10 @@ from typing import Any
 
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from router.chat_render import normalize_messages, normalize_tools
-from router.chat_template import ChatTemplate, build_environment
-from router.fast_sandbox import MemoSandbox
-from router.tokenize import PromptTokenizer
+from router.prompt.chat_render import normalize_messages, normalize_tools
+from router.prompt.chat_template import ChatTemplate, build_environment
+from router.prompt.fast_sandbox import MemoSandbox
+from router.prompt.tokenize import PromptTokenizer
 
 from bench_tokenize import QWEN3, corpus_ids, median_ms  # the script beside this one
 

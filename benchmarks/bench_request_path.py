@@ -26,7 +26,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_router_overhead import MODEL, QWEN3_DIR, Texts, cold_bodies, warm_chat, warm_turns  # noqa: E402
 
-from router.config import parse_config  # noqa: E402
+from kvconfig import parse_config  # noqa: E402
 from router.core import Router  # noqa: E402
 
 CONFIG = {

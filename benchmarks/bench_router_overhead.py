@@ -62,7 +62,7 @@ from support import KVROUTER, QWEN3_DIR, Proc, free_port, free_ports, wait_http 
 
 from loadtest.fleet import Engine  # noqa: E402
 from loadtest.peer import INSTALL_HINT, VllmRouter, vllm_router_binary  # noqa: E402
-from router.tokenize import PromptTokenizer  # noqa: E402
+from router.prompt.tokenize import PromptTokenizer  # noqa: E402
 
 MODEL = "qwen3-0.6b"
 SHAREGPT = REPO / "loadtest" / "data" / "traces" / "sharegpt_multiturn_150.json"

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from router.tokenize import PromptTokenizer
+from router.prompt.tokenize import PromptTokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 QWEN3 = REPO / "loadtest" / "data" / "tokenizers" / "qwen3"

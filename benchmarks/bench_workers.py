@@ -3,7 +3,7 @@
 Two measurements, each a subcommand (run them under ``flock /tmp/kvr-bench.lock``):
 
 ``accept``: how evenly the kernel spreads connections over 2 worker processes, with
-  ``SO_REUSEPORT`` (each worker listens on its own socket, what router/workers.py does)
+  ``SO_REUSEPORT`` (each worker listens on its own socket, what router/http/workers.py does)
   and with one listening socket inherited by both (gunicorn's and ``uvicorn --workers``'
   way). Each worker is a uvloop server that answers each request line after ``--work-us``
   of CPU; the client opens ``--connections`` connections, ``--concurrency`` at a time,
@@ -127,7 +127,7 @@ def accept(args: argparse.Namespace) -> None:
 async def path_round(texts: Any, n: int, shared: bool) -> dict[str, list[float]]:
     from bench_request_path import CONFIG, measure
 
-    from router.config import parse_config
+    from kvconfig import parse_config
     from router.core import Router
     from router.fleet.ring import Ring
 

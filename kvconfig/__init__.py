@@ -2,7 +2,7 @@
 
 It sits below ``indexer`` and ``router`` in the dependency order (docs/architecture.md):
 the router, ``kvrouter indexer`` and ``kvrouter hash`` all read the same file, and
-``indexer/`` must not import ``router/``. ``router.config`` re-exports it.
+``indexer/`` must not import ``router/``.
 
 Every model is ``extra="forbid"`` so a typo in YAML is an error that names the key,
 at start-up rather than as a silently ignored setting. The shape is the contract in
@@ -238,7 +238,7 @@ class RouterSettings(_Strict):
     max_connections_per_backend: int = Field(default=512, ge=1)
     """Most connections open to one engine at once (each request in flight holds one)."""
     segment_cache_tokens: int = Field(default=8_000_000, ge=0)
-    """Token ids the tokenizer's segment cache keeps per tokenizer (router/segments.py), oldest
+    """Token ids the tokenizer's segment cache keeps per tokenizer (router/prompt/segments.py), oldest
     dropped first: ~35 bytes each, ~280 MB at the default when full (a chat soak's RSS grows
     toward it for hours; kvrouter_tokenizer_segment_cache_tokens shows the fill). 0 keeps
     nothing: every segment is tokenized anew."""
@@ -252,7 +252,7 @@ class RouterSettings(_Strict):
     workers: int | None = Field(default=None, ge=1, le=256)
     """Router processes serving one port (``kvrouter serve --workers N`` and the
     ``KVROUTER_WORKERS`` variable override it). Default: the cores this process may run
-    on. 1 is today's single process; more share load and health (router/workers.py)."""
+    on. 1 is today's single process; more share load and health (router/http/workers.py)."""
     fleet_state: str = "auto"
     """Where the router's processes share their state (load, recent decisions, request
     share): the workers of one host always share it in memory; replicas on several hosts

@@ -153,7 +153,7 @@ _SAMPLED = ("vllm:num_requests_running", "vllm:num_requests_waiting", "kvrouter_
 def _parse(text: str) -> dict[str, float]:
     """The sampled gauges only: parsing whole pages took a third of the replay process's
     CPU, in a thread that competes for the GIL with the client whose TTFT it measures."""
-    from router.load import parse_gauges
+    from router.fleet.load import parse_gauges
 
     return parse_gauges(text, _SAMPLED)[0]
 
@@ -228,7 +228,7 @@ class Reference:
 def reference(workload: Workload, spec: FleetSpec | VllmSpec) -> Reference:
     """The ideal cached ratio, and (for simulated engines, whose latency model is known) the floor."""
     from loadtest.sim import cli as sim_cli
-    from router.tokenize import load_tokenizer
+    from router.prompt.tokenize import load_tokenizer
 
     if isinstance(spec, VllmSpec):
         tok = load_tokenizer(spec.tokenizer)
@@ -755,7 +755,7 @@ def parse_weights(items: list[str]) -> dict[str, Any] | None:
     """``["decode=0", "share_cap=0.8"]`` -> validated kv_aware weights (only those given)."""
     from pydantic import ValidationError
 
-    from router.config import KvAwareWeights
+    from kvconfig import KvAwareWeights
 
     raw = key_values(items, "--kv-weight")
     if not raw:

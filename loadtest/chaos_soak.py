@@ -12,7 +12,7 @@ that is flat but noisy has a slope near 0 and a large spread). Written to
 ``soak.json``, ``soak_report.md`` and ``soak.png``.
 
 Bounded caches grow until they are full, and that growth is not a leak only once the
-bound is seen to hold. The router's prefix hash cache (router/hash_cache.py) is sampled
+bound is seen to hold. The router's prefix hash cache (router/prompt/hash_cache.py) is sampled
 as ``hash_cache_blocks``; at the soak's traffic (~390,000 new blocks an hour) its default
 bound of 500,000 blocks takes ~75 minutes to fill, longer than the hour, so the soak runs
 the router with a bound of :data:`SOAK_HASH_CACHE_BLOCKS` (``--hash-cache-blocks``), full

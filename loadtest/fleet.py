@@ -292,7 +292,7 @@ class EngineFleet:
     engines: list[Engine]
 
     def model_config(self) -> dict[str, Any]:
-        """The ``models[]`` entry (``router/config.py`` shape) serving this fleet."""
+        """The ``models[]`` entry (:class:`kvconfig.Model` shape) serving this fleet."""
         s = self.spec
         return {
             "name": s.model, "tokenizer": s.tokenizer, "block_size": s.block_size, "hash_algo": s.hash_algo,

@@ -2,9 +2,9 @@
 
 An :class:`Attempt` is one try, and everything that try accounts for is its own:
 
-- the backend's load :class:`~router.load.Ticket`, taken when the attempt is opened and
+- the backend's load :class:`~router.fleet.load.Ticket`, taken when the attempt is opened and
   released when its ``async with`` ends. :meth:`Attempt.close` is the one place a ticket
-  is released, so the invariant of :mod:`router.load` (every ticket released exactly once,
+  is released, so the invariant of :mod:`router.fleet.load` (every ticket released exactly once,
   on every path: success, upstream error, timeout, client disconnect, retry, drain cut,
   backend death) holds by construction: the proxy enters every attempt it tries, and an
   attempt opened but never tried is closed by :class:`Attempts`;
@@ -14,7 +14,7 @@ An :class:`Attempt` is one try, and everything that try accounts for is its own:
 - what the try tells about its backend: health (``record_success`` / ``record_failure``),
   ``kvrouter_upstream_failures_total`` and ``kvrouter_retries_total``;
 - its place on the backend's in-flight list, from which a backend found dead
-  (:meth:`router.backends.BackendState.abort_in_flight`) or the router's drain deadline
+  (:meth:`router.fleet.backends.BackendState.abort_in_flight`) or the router's drain deadline
   cancels it (:attr:`Attempt.aborted` says which);
 - the upstream response, whose connection goes back to the pool when the exchange
   finished, and is closed otherwise, which is how vLLM learns to abort the request.
@@ -39,9 +39,9 @@ from typing import Any
 import aiohttp
 
 from router import metrics
-from router.backends import BackendPool, BackendState
-from router.errors import UpstreamError
-from router.load import LoadTracker, Ticket
+from router.fleet.backends import BackendPool, BackendState
+from router.http.errors import UpstreamError
+from router.fleet.load import LoadTracker, Ticket
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +183,7 @@ class Attempts:
     def open(self, name: str, *, announced: bool = False) -> Attempt:
         """An attempt on backend ``name``: its load ticket taken and the decision committed
         to it, now. The first is kept until :meth:`next` hands it out; ``announced``: its
-        decision went to the replicas' fleet-state log already (:meth:`router.load.LoadTracker.acquire`)."""
+        decision went to the replicas' fleet-state log already (:meth:`router.fleet.load.LoadTracker.acquire`)."""
         backend = self.pool.backends[name]
         ticket = self.loads.acquire(name, self.keys, self.prefill.get(name, 0), self.model, announced=announced)
         attempt = Attempt(backend, ticket)

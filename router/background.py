@@ -1,7 +1,7 @@
 """The router's background work: one low-priority thread, one back-pressure count, one way in.
 
 What a request leaves behind once it is sent runs here: a deferred request's full
-tokenization (:mod:`router.cold`), learning a chat history (:mod:`router.history`), the
+tokenization (:mod:`router.prompt.cold`), learning a chat history (:mod:`router.prompt.history`), the
 sampled check of a prompt tokenized from its segments, and the asyncio tasks that wait
 for those (settles, parity checks against a backend's ``/tokenize``). :mod:`router.settle`
 is the one module that submits: each plan says what it owes, and settle pays it here.

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 from indexer.index import Worker
 from router import metrics
-from router.backends import BackendPool
-from router.load import LoadTracker
+from router.fleet.backends import BackendPool
+from router.fleet.load import LoadTracker
 from router.plans import Plan, Query
 from router.policies.base import Candidate, Decision, RequestCtx
 from router.runtime import ModelRuntime

@@ -31,7 +31,7 @@ class Command(NamedTuple):
 
 
 COMMANDS: dict[str, Command] = {
-    "serve": Command("router.server", "run the router (OpenAI-compatible gateway)"),
+    "serve": Command("router.http.server", "run the router (OpenAI-compatible gateway)"),
     "doctor": Command("router.doctor", "check a live fleet's config before traffic arrives"),
     "indexer": Command("indexer.service", "standalone indexer: fleet KV events into Redis"),
     "hash": Command("indexer.hash_cli", "compute vLLM block hashes"),

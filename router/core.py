@@ -11,7 +11,7 @@ Two operations change it while it serves:
 - **drain** (:meth:`Router.begin_drain`, on SIGTERM): ``/health`` answers 503 and new
   requests are refused while the server stops accepting connections; the requests in
   flight run on for at most ``router.drain_timeout_s``, then are cut (an open stream ends
-  with an error event, :class:`router.errors.ShuttingDown`).
+  with an error event, :class:`router.http.errors.ShuttingDown`).
 - **reload** (:meth:`Router.reload`, on SIGHUP): a re-read config may add and remove
   backends, nothing else (anything else needs a restart and the reload is refused whole).
   An added backend gets its session, a health check and its event stream before it can
@@ -36,14 +36,14 @@ from prometheus_client import CollectorRegistry
 from indexer.index import Index, MemoryIndex, Worker
 from router import metrics
 from router.background import MAX_SETTLING, Background
-from router.backends import BackendPool
-from router.config import Config
-from router.errors import NoHealthyBackend
-from router.gauges import FleetCollector
-from router.load import LoadTracker, scrape_forever
+from router.fleet.backends import BackendPool
+from kvconfig import Config
+from router.http.errors import NoHealthyBackend
+from router.fleet.gauges import FleetCollector
+from router.fleet.load import LoadTracker, scrape_forever
 from router.plans import Planner
-from router.prompt_ids import IdSource
-from router.proxy import Upstreams
+from router.prompt.prompt_ids import IdSource
+from router.http.proxy import Upstreams
 from router.request_path import RequestPath
 from router.runtime import ModelRuntime, Models
 from router.settle import Settler
@@ -79,7 +79,7 @@ class Router:
         self.settler = Settler(self.background, self.pool)
         self.streams = metrics.StreamView()
         self.stream_registry = CollectorRegistry(auto_describe=True)
-        """The subscriber's own series, exposed through :class:`router.gauges.FleetCollector` so
+        """The subscriber's own series, exposed through :class:`router.fleet.gauges.FleetCollector` so
         that several routers can live in one process (tests) without name clashes."""
         planner = Planner(
             IdSource(self.executor, self.pool, t.inline_tokenize_bytes),
@@ -158,7 +158,7 @@ class Router:
             asyncio.create_task(self._discover_max_model_len()),
         ]
         if self.fleet is not None:
-            from router.backends import FOLLOW_S
+            from router.fleet.backends import FOLLOW_S
 
             self._tasks.append(asyncio.create_task(self.fleet.run_forever(FOLLOW_S)))
         # What exists now (the imports, the tokenizers: over a million objects) lives as long
@@ -184,7 +184,7 @@ class Router:
 
     def begin_drain(self) -> None:
         """Stop taking requests and give those in flight ``router.drain_timeout_s`` to finish
-        (the server stops accepting connections; see :mod:`router.server`)."""
+        (the server stops accepting connections; see :mod:`router.http.server`)."""
         if self.draining:
             return
         self.draining = True

@@ -35,8 +35,9 @@ from indexer.hashing import BlockHasher, HashConfigError
 from indexer.index import Worker
 from indexer.subscriber import offset_endpoint
 from indexer.verify import HashVerifier
-from router.config import Backend, ConfigError, Model, load_config
-from router.tokenize import TokenizeError, load_tokenizer
+from kvconfig import Backend, ConfigError, Model, load_config
+from router.prompt.prompt_fields import TokenizeError
+from router.prompt.tokenize import load_tokenizer
 
 SAMPLE_CHAT = {
     "messages": [

@@ -5,13 +5,13 @@ memoised label children (:meth:`RouterMetrics.child`). They belong to one
 :class:`RouterMetrics` per process (:func:`process_metrics`); the module-level names
 (``REQUESTS``, ``child``, ...) are that object's, for the modules that do not take it yet.
 Backend load, health and event-stream state are read at scrape time by
-:class:`router.gauges.FleetCollector` from the live objects, so the hot path never updates a gauge.
+:class:`router.fleet.gauges.FleetCollector` from the live objects, so the hot path never updates a gauge.
 
 With ``serve --workers N`` every worker counts in its own memory and ``/metrics``
 (:func:`exposition`) merges every worker's series, whichever worker answers the scrape
-(:mod:`router.worker_metrics`): counters and histograms summed, a dead worker's counts
+(:mod:`router.http.worker_metrics`): counters and histograms summed, a dead worker's counts
 kept; gauges as :data:`GAUGE_MERGE` says. The fleet gauges keep coming from
-:class:`router.gauges.FleetCollector` alone, which in a worker reads the *shared* state (load summed
+:class:`router.fleet.gauges.FleetCollector` alone, which in a worker reads the *shared* state (load summed
 over workers and replicas, the one health verdict per backend), so the answering worker
 shows the whole picture without merging anything. The event subscriber's series are per
 worker (each follows the streams) and are merged too, with a ``pid`` label where they are
@@ -30,11 +30,11 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
-from router.worker_metrics import GaugeMerge, WorkerSeries
+from router.http.worker_metrics import GaugeMerge, WorkerSeries
 
 
 class LiveSeries(Protocol):
-    """Series read from live objects at scrape time (:class:`router.gauges.FleetCollector`)."""
+    """Series read from live objects at scrape time (:class:`router.fleet.gauges.FleetCollector`)."""
 
     stream_registry: CollectorRegistry | None
 
@@ -51,9 +51,9 @@ _BLOCK_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 81
 
 GAUGE_MERGE: dict[str, GaugeMerge] = {
     "kvrouter_drain_in_flight_requests": operator.add,
-    "kvrouter_tokenizer_segment_cache_tokens": operator.add,  # router/segments.py
-    "kvrouter_hash_cache_blocks": operator.add,  # router/hash_cache.py
-    "kvrouter_tokenizer_remote": max,  # router/remote_tokenize.py: 1 when any worker switched
+    "kvrouter_tokenizer_segment_cache_tokens": operator.add,  # router/prompt/segments.py
+    "kvrouter_hash_cache_blocks": operator.add,  # router/prompt/hash_cache.py
+    "kvrouter_tokenizer_remote": max,  # router/prompt/remote_tokenize.py: 1 when any worker switched
 }
 """How ``serve --workers N`` merges the live workers' values of a gauge; a gauge not named
 here is shown per worker, with a ``pid`` label (the event streams' ``connected``)."""
@@ -67,7 +67,7 @@ class RouterMetrics:
 
     Alone, ``/metrics`` is ``registry``'s page. A worker of ``serve --workers N``
     (:meth:`publish`) also writes snapshots of its series for the other workers and
-    answers ``/metrics`` with every worker's merged (:mod:`router.worker_metrics`)."""
+    answers ``/metrics`` with every worker's merged (:mod:`router.http.worker_metrics`)."""
 
     def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
         self.registry = registry

@@ -14,7 +14,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from router.errors import BadRequest, BodyTooLarge
+from router.http.errors import BadRequest, BodyTooLarge
 
 _decoder = msgspec.json.Decoder()
 _encoder = msgspec.json.Encoder()

@@ -11,11 +11,11 @@ mode                   routes on                                              ow
 =====================  =====================================================  ==========================================
 :class:`ExactIds`      every id of the prompt (the full path)                 sampled id checks; learning its history
 :class:`RememberedHistory`  the keys remembered for its messages, unrendered  all ids; the memo entry's check
-                       (:mod:`router.history`)
+                       (:mod:`router.prompt.history`)
 :class:`SeenTail`      the ids of its history the segment cache holds;        all ids
-                       the new turn is short (:mod:`router.cold`)
+                       the new turn is short (:mod:`router.prompt.cold`)
 :class:`ColdHead`      the exact first block of a long prompt nobody holds    all ids; the probe's check
-                       (:mod:`router.cold`)
+                       (:mod:`router.prompt.cold`)
 =====================  =====================================================  ==========================================
 
 A request is tried against the deferred modes in :data:`MODES` order; the first that
@@ -39,13 +39,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
-from router.cold import HeadProbe
-from router.errors import BadRequest
-from router.history import Chain, Hit, chain_of, digest
-from router.load import Ticket
-from router.prompt_ids import IdSource, Ids, Rendered
+from router.prompt.cold import HeadProbe
+from router.http.errors import BadRequest
+from router.prompt.history import Chain, Hit, chain_of, digest
+from router.fleet.load import Ticket
+from router.prompt.prompt_ids import IdSource, Ids, Rendered
 from router.runtime import ModelRuntime, check_length, length_error
-from router.tokenize import PromptTokenizer, Scan, TokenizeError, UnsupportedPrompt
+from router.prompt.prompt_fields import TokenizeError, UnsupportedPrompt
+from router.prompt.segments import Scan
+from router.prompt.tokenize import PromptTokenizer
 
 
 @dataclass(slots=True)
@@ -161,7 +163,7 @@ class Deferred(Plan):
 
 @dataclass(slots=True)
 class RememberedHistory(Deferred):
-    """A chat whose messages start with a remembered history (:mod:`router.history`),
+    """A chat whose messages start with a remembered history (:mod:`router.prompt.history`),
     routed on that history's keys before its template is rendered. Rendered only under a
     configured length limit, which needs a bound: the remembered prefix's tokens, when the
     rendering does start with that text, plus a byte bound on the rest."""
@@ -232,7 +234,7 @@ class SeenTail(Deferred):
 @dataclass(slots=True)
 class ColdHead(Deferred):
     """A long prompt the segment cache has mostly not seen, routed on its exact first
-    block (:class:`router.cold.HeadProbe`) when no backend holds that block, nor the
+    block (:class:`router.prompt.cold.HeadProbe`) when no backend holds that block, nor the
     router's recent decisions, nor a request still settling."""
 
     outcome: ClassVar[str | None] = "deferred"  # type: ignore[misc]

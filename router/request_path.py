@@ -13,7 +13,7 @@ other modules' docstrings use these numbers and names):
 6. **order** (:mod:`router.fleet.stream`, replicas only): the decision committed to the
    fleet-state log the replicas share, decided again if other replicas' decisions
    overtook it (:meth:`RequestPath.order`);
-7. **send** (:mod:`router.attempt`, :mod:`router.proxy`): each try an attempt that owns
+7. **send** (:mod:`router.attempt`, :mod:`router.http.proxy`): each try an attempt that owns
    its load ticket and the policy's commit; the original bytes to its backend, retried on
    the next before any byte came back, relayed as they arrive;
 8. **settle** (:mod:`router.settle`): what the plan owes, on the background thread.
@@ -39,16 +39,16 @@ from indexer.index import Index, Worker
 from router import metrics
 from router.attempt import Attempts
 from router.choose import Decided, candidates, commit, prefill_tokens, uncached
-from router.config import RouterSettings
-from router.errors import NoHealthyBackend
+from kvconfig import RouterSettings
+from router.http.errors import NoHealthyBackend
 from router.fleet.log import Decided as DecidedRecord
-from router.load import LoadTracker
+from router.fleet.load import LoadTracker
 from router.parse import session_key, validate_fields
 from router.plans import Deferred, ExactIds, Planner, Query
 from router.policies.approx_index import stored_keys
 from router.policies.base import RequestCtx
-from router.prompt_ids import observe_ids
-from router.proxy import ProxyResponse, Upstream, Upstreams
+from router.prompt.prompt_ids import observe_ids
+from router.http.proxy import ProxyResponse, Upstream, Upstreams
 from router.runtime import ModelRuntime, Models
 from router.settle import Settler
 

@@ -15,17 +15,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from indexer.hashing import BlockHasher
-from router.cold import HeadProbe
-from router.config import Config, Model
-from router.errors import BadRequest, PromptTooLong, UnknownModel
-from router.hash_cache import HashCache
-from router.history import HistoryMemo
+from router.prompt.cold import HeadProbe
+from kvconfig import Config, Model
+from router.http.errors import BadRequest, PromptTooLong, UnknownModel
+from router.prompt.hash_cache import HashCache
+from router.prompt.history import HistoryMemo
 from router.policies import make_policy, memory_ttl
 from router.policies.approx_index import ApproxPrefixIndex
 from router.policies.shares import Shares
 from router.tuning import Tuning
 from router.policies.base import Policy, PrefixMemory, ReadsEngineState
-from router.tokenize import ParityGuard, PromptTokenizer, RemoteTokenizer, TokenizeError, load_tokenizer
+from router.prompt.prompt_fields import TokenizeError
+from router.prompt.remote_tokenize import ParityGuard, RemoteTokenizer
+from router.prompt.tokenize import PromptTokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
 

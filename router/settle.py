@@ -5,7 +5,7 @@ for the work it needs:
 
 - a deferred plan (:class:`~router.plans.Deferred`), :meth:`Settler.tokenize`: its full
   tokenization; the exact ids and keys replace the estimate on its load ticket
-  (:meth:`router.load.Ticket.settle`), the policy remembers the real keys, the mode checks
+  (:meth:`router.fleet.load.Ticket.settle`), the policy remembers the real keys, the mode checks
   what it was routed on (``verify``), and a chat teaches the history memo its messages;
 - the full path (:class:`~router.plans.ExactIds`), :meth:`Settler.check_ids`, the sampled
   checks of its ids (segment cache against a full tokenization, local against a backend's
@@ -31,15 +31,15 @@ from typing import Any
 
 from router import metrics
 from router.background import Background
-from router.backends import BackendPool
+from router.fleet.backends import BackendPool
 from router.choose import Decided, uncached
-from router.errors import BadRequest
-from router.history import Chain, Entry, learn_entries
-from router.load import Ticket
+from router.http.errors import BadRequest
+from router.prompt.history import Chain, Entry, learn_entries
+from router.fleet.load import Ticket
 from router.plans import Deferred, ExactIds, rendered_now
-from router.prompt_ids import Ids, Rendered, local_ids, observe_ids
+from router.prompt.prompt_ids import Ids, Rendered, local_ids, observe_ids
 from router.runtime import ModelRuntime
-from router.tokenize import TokenizeError
+from router.prompt.prompt_fields import TokenizeError
 
 log = logging.getLogger(__name__)
 

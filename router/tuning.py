@@ -38,9 +38,9 @@ class Tuning(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     defer_cold_prompts: bool = True
-    """Send a prompt whose first block nobody holds before tokenizing all of it (router/cold.py)."""
+    """Send a prompt whose first block nobody holds before tokenizing all of it (router/prompt/cold.py)."""
     history_memo: bool = True
-    """Route a chat whose messages start with ones already tokenized on their remembered keys (router/history.py)."""
+    """Route a chat whose messages start with ones already tokenized on their remembered keys (router/prompt/history.py)."""
     inline_tokenize_bytes: int = Field(default=2048, ge=0)
     """Bodies, and a prompt's uncached text, up to this many bytes are tokenized at once on the event loop."""
     hash_cache_blocks: int = Field(default=500_000, ge=16)

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from router.tokenize import PromptTokenizer
+from router.prompt.tokenize import PromptTokenizer
 from support import QWEN3_DIR, Proc, free_port, wait_port
 
 # Every `kvrouter serve` a test starts is one process unless it asks for workers (--workers,

@@ -13,9 +13,9 @@ import asyncio
 import pytest
 
 from router.attempt import BACKEND_DOWN, SHUTTING_DOWN, Attempts
-from router.backends import BackendPool
-from router.config import parse_config
-from router.load import LoadTracker
+from router.fleet.backends import BackendPool
+from kvconfig import parse_config
+from router.fleet.load import LoadTracker
 
 KEYS = [11, 12, 13]
 

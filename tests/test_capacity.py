@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from loadtest import capacity
-from loadtest.capacity import SWEEP_KEYS, SweepError
+from loadtest.capacity import SWEEP_KEYS
 from support import KVROUTER, REPO
 
 

@@ -1,5 +1,5 @@
-"""router.chat_template renders like transformers' apply_chat_template (what vLLM calls), and
-router.fast_sandbox's memoizing sandbox like jinja2's stock one, refusals included.
+"""router.prompt.chat_template renders like transformers' apply_chat_template (what vLLM calls), and
+router.prompt.fast_sandbox's memoizing sandbox like jinja2's stock one, refusals included.
 
 The byte-identical check against vLLM itself is tests/test_tokenize.py's golden
 renderings; the mutants below show that those renderings notice a wrong environment.
@@ -15,11 +15,12 @@ import jinja2
 import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
-from router import chat_template
-from router.chat_render import normalize_messages, normalize_tools
-from router.chat_template import ENVIRONMENT, ChatTemplate, build_environment
-from router.fast_sandbox import MemoSandbox
-from router.tokenize import PromptTokenizer, TokenizeError
+from router.prompt import chat_template
+from router.prompt.chat_render import normalize_messages, normalize_tools
+from router.prompt.chat_template import ENVIRONMENT, ChatTemplate, build_environment
+from router.prompt.fast_sandbox import MemoSandbox
+from router.prompt.prompt_fields import TokenizeError
+from router.prompt.tokenize import PromptTokenizer
 from support import GOLDEN, QWEN3_DIR, REPO
 
 SHAREGPT = REPO / "loadtest" / "data" / "traces" / "sharegpt_multiturn_150.json"

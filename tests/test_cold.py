@@ -1,4 +1,4 @@
-"""The first-block probe (router/cold.py): ids from a text prefix equal full tokenization's.
+"""The first-block probe (router/prompt/cold.py): ids from a text prefix equal full tokenization's.
 
 Real Qwen3 tokenizer, real texts: the golden chat renderings, ShareGPT turns cut at
 random places, and texts built to break a naive prefix cut (whitespace runs, words
@@ -13,8 +13,9 @@ import random
 import pytest
 from prometheus_client import REGISTRY
 
-from router.cold import MAX_PROBE_CHARS, HeadProbe
-from router.tokenize import PromptTokenizer, Scan
+from router.prompt.cold import MAX_PROBE_CHARS, HeadProbe
+from router.prompt.segments import Scan
+from router.prompt.tokenize import PromptTokenizer
 from support import GOLDEN, QWEN3_DIR, REPO
 
 BLOCK = 16

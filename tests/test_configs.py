@@ -21,7 +21,7 @@ import pytest
 from kvconfig import Backend, KvAwareWeights
 from loadtest.sim.cli import configure as configure_sim
 from loadtest.sim.fleet import instance_specs
-from router.config import ConfigError, load_config, parse_config
+from kvconfig import ConfigError, load_config, parse_config
 from support import REPO
 
 EXAMPLES = sorted((REPO / "configs").glob("*.yaml"))

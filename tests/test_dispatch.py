@@ -1,4 +1,4 @@
-"""router.dispatch.Endpoints on a real uvicorn server on loopback."""
+"""router.http.dispatch.Endpoints on a real uvicorn server on loopback."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from router.dispatch import Endpoints
-from router.errors import BadRequest
+from router.http.dispatch import Endpoints
+from router.http.errors import BadRequest
 from support import free_port, wait_http
 
 

@@ -43,8 +43,8 @@ from aiohttp import web
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router import proxy
-from router.proxy import EventCut
+from router.http import proxy
+from router.http.proxy import EventCut
 from support import QWEN3_DIR, LoopbackEngine, RouterProc, fuzz_cases, openai_error, sse_events
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]

@@ -5,7 +5,7 @@ answers vLLM's OpenAI endpoints the way a client needs (JSON, or an SSE stream) 
 records the headers of every request it gets, so a test can see exactly what reached an
 engine; it also fails on cue (a stream cut mid-way, a listener that goes away).
 
-Three routers, one per key set-up (see router/auth.py for the table):
+Three routers, one per key set-up (see router/http/auth.py for the table):
 
 - ``secured``: a client key, an admin key and the engine's own key, all in the file;
 - ``env_keyed``: only a client key and the engine's key, both from the environment;
@@ -27,7 +27,7 @@ import httpx
 import pytest
 from aiohttp import web
 
-from router.config import ConfigError, load_config, parse_config
+from kvconfig import ConfigError, load_config, parse_config
 from support import QWEN3_DIR, REPO, LoopbackEngine, RouterProc
 
 pytestmark = pytest.mark.slow

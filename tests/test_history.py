@@ -1,4 +1,4 @@
-"""The history memo (router/history.py).
+"""The history memo (router/prompt/history.py).
 
 Real Qwen3 tokenizer and chat template, real conversations (ShareGPT): what the memo
 learns from one turn must be a prefix of the next turn's real block keys.
@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 from indexer.hashing import BlockHasher
-from router.hash_cache import HashCache
-from router.history import MAX_MISMATCHES, Chain, Entry, HistoryMemo, chain_of, learn_entries
-from router.tokenize import PromptTokenizer
+from router.prompt.hash_cache import HashCache
+from router.prompt.history import MAX_MISMATCHES, Chain, Entry, HistoryMemo, chain_of, learn_entries
+from router.prompt.tokenize import PromptTokenizer
 from support import REPO
 
 BLOCK = 16

@@ -1,5 +1,5 @@
 """The router's series: one :class:`router.metrics.RouterMetrics` per process, and how the
-workers of ``serve --workers N`` merge theirs (:mod:`router.worker_metrics`).
+workers of ``serve --workers N`` merge theirs (:mod:`router.http.worker_metrics`).
 
 The merge is checked on snapshots and on two :class:`WorkerSeries` sharing a directory in
 this process; the slow tests run a real 2-worker ``kvrouter serve``.
@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import Metric
 
 from router import metrics
-from router.worker_metrics import SNAPSHOT_S, Snapshot, WorkerSeries, merge, take
+from router.http.worker_metrics import SNAPSHOT_S, Snapshot, WorkerSeries, merge, take
 from support import REPO
 from test_workers import MODEL, CountingEngine, Router, model, scrape
 
@@ -129,7 +129,7 @@ def test_every_gauge_that_declares_a_multiprocess_mode_is_merged_that_way() -> N
     """The gauges of modules that do not use :class:`RouterMetrics` yet still say how
     workers combine them with prometheus-client's ``multiprocess_mode``, which nothing
     reads any more: :data:`metrics.GAUGE_MERGE` must say the same."""
-    import router.app  # noqa: F401  every module that declares a series
+    import router.http.app  # noqa: F401  every module that declares a series
 
     how = {"livesum": operator.add, "livemax": max}
     declared = {
@@ -149,7 +149,7 @@ def test_label_children_are_memoised() -> None:
 def test_importing_the_router_replaces_nothing_in_prometheus_client(tmp_path: Path) -> None:
     """Not even with ``PROMETHEUS_MULTIPROC_DIR`` set, where it used to batch the library's
     multiprocess values."""
-    code = "import router.app\nfrom prometheus_client import values\nprint(values.ValueClass.__module__)"
+    code = "import router.http.app\nfrom prometheus_client import values\nprint(values.ValueClass.__module__)"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120, check=True,
                          env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)})
     assert out.stdout.strip() == "prometheus_client.values"

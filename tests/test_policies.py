@@ -12,8 +12,8 @@ from collections import Counter
 
 import pytest
 
-from router.config import KvAwareWeights
-from router.load import BackendLoad, LoadTracker, parse_vllm_metrics
+from kvconfig import KvAwareWeights
+from router.fleet.load import BackendLoad, LoadTracker, parse_vllm_metrics
 from router.policies.approx_index import STRIDE, ApproxPrefixIndex
 from router.policies.base import UNROUTABLE, Candidate, RequestCtx
 from router.policies.kv_aware import KvAware
@@ -434,11 +434,11 @@ vllm:time_to_first_token_seconds_bucket{le="0.1",model_name="m"} 1.0
 
 def test_a_data_parallel_backend_counts_its_best_rank() -> None:
     from indexer.index import Worker
-    from router.backends import BackendPool
+    from router.fleet.backends import BackendPool
     from router.choose import candidates
-    from router.load import LoadTracker
+    from router.fleet.load import LoadTracker
     from router.runtime import Models
-    from router.config import parse_config
+    from kvconfig import parse_config
 
     cfg = parse_config({"models": [{"name": "m", "tokenizer": "unused", "backends": [
         {"name": "dp", "url": "http://127.0.0.1:9", "data_parallel_size": 2},

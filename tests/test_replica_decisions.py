@@ -23,7 +23,7 @@ import yaml
 
 from loadtest.fleet import scrape, scrape_labelled
 from support import KVROUTER, Proc, free_port, wait_for, wait_http
-from test_workers import MODEL, model, prefix_burst, sim_backend
+from test_workers import MODEL, model, sim_backend
 
 pytestmark = pytest.mark.slow
 
@@ -242,7 +242,7 @@ class _Replica:
         from router.fleet.log import TTL_S, FleetState
         from router.fleet.process import FleetLog
         from router.fleet.stream import FleetStream
-        from router.load import LoadTracker
+        from router.fleet.load import LoadTracker
         from router.policies.shares import Shares
 
         self.loads = LoadTracker(backends)

@@ -26,9 +26,9 @@ import uvicorn
 import yaml
 from prometheus_client import REGISTRY
 
-from router.app import create_app
+from router.http.app import create_app
 from router.tuning import Tuning
-from router.config import parse_config
+from kvconfig import parse_config
 from support import GOLDEN, KVROUTER, QWEN3_DIR, Proc, free_port, free_ports, wait_http
 
 pytestmark = pytest.mark.slow
@@ -659,7 +659,7 @@ def fault(fleet: dict[str, Any], i: int, **update: Any) -> None:
 
 
 def engines_running(fleet: dict[str, Any]) -> float:
-    from router.load import parse_vllm_metrics
+    from router.fleet.load import parse_vllm_metrics
 
     total = 0.0
     for i in range(N_ENGINES):

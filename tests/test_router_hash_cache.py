@@ -7,7 +7,7 @@ import random
 import pytest
 
 from indexer.hashing import BlockHasher
-from router.hash_cache import HashCache
+from router.prompt.hash_cache import HashCache
 
 LORA = {"name": "sql-adapter", "path": "/adapters/sql", "int_id": 7}
 

@@ -16,7 +16,7 @@ from indexer.index import MemoryIndex, Worker
 from indexer.subscriber import FleetSubscriber, StreamSpec, offset_endpoint, specs_from_config
 from indexer.verify import HashVerifier
 from kvpub import EnginePublisher
-from router.config import parse_config
+from kvconfig import parse_config
 from support import wait_for
 
 MODEL = "m"

@@ -1,4 +1,4 @@
-"""router.tokenize: vLLM 0.33's prompt ids (golden renderer output), segment cache, remote /tokenize, parity guard."""
+"""router.prompt.tokenize: vLLM 0.33's prompt ids (golden renderer output), segment cache, remote /tokenize, parity guard."""
 
 from __future__ import annotations
 
@@ -16,16 +16,10 @@ import pytest
 from prometheus_client import REGISTRY
 from transformers import PreTrainedTokenizerFast
 
-from router.tokenize import (
-    ParityGuard,
-    PromptTokenizer,
-    RemoteTokenizeError,
-    RemoteTokenizer,
-    SegmentCache,
-    TokenizeError,
-    UnsupportedPrompt,
-    load_tokenizer,
-)
+from router.prompt.prompt_fields import TokenizeError, UnsupportedPrompt
+from router.prompt.remote_tokenize import ParityGuard, RemoteTokenizeError, RemoteTokenizer
+from router.prompt.segments import SegmentCache
+from router.prompt.tokenize import PromptTokenizer, load_tokenizer
 from support import GOLDEN, QWEN3_DIR, REPO, Proc, free_port, wait_http
 
 GOLDEN_RENDER = GOLDEN / "render_vectors_vllm-0.33.0_qwen3-0.6b-tok.jsonl"
@@ -137,7 +131,7 @@ def _qwen3_variant(tmp_path: Path, edit: Any) -> PreTrainedTokenizerFast:
 
 
 def test_long_segments_take_the_gil_free_path_and_tokenize_identically(qwen3: PromptTokenizer) -> None:
-    from router.tokenize import GIL_FREE_CHARS
+    from router.prompt.segments import GIL_FREE_CHARS
 
     readme = (REPO / "README.md").read_text()
     for size in (GIL_FREE_CHARS - 1, GIL_FREE_CHARS, 5 * GIL_FREE_CHARS + 7):

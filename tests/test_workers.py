@@ -503,7 +503,7 @@ def test_every_worker_counts_every_workers_requests_in_the_request_share(tmp_pat
     generation bumped) leaves no load behind."""
     from router.fleet.log import FleetState
     from router.fleet.process import FleetLog
-    from router.load import LoadTracker
+    from router.fleet.load import LoadTracker
     from router.policies.shares import Shares
 
     made, *rings = _ring_pair(tmp_path)

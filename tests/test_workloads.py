@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from loadtest import workloads as w
-from router.tokenize import load_tokenizer
+from router.prompt.tokenize import load_tokenizer
 from support import QWEN3_DIR, REPO
 
 MOONCAKE = REPO / "loadtest" / "data" / "traces" / "mooncake_conversation_head1500.jsonl"

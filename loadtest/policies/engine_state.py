@@ -5,7 +5,7 @@ and through its own count of what it sent; it cannot see a queue another client 
 or a block the engine just evicted. To measure how much routing that costs, ``kvrouter
 sim --debug-state`` answers ``POST /debug/state`` (:mod:`loadtest.sim.state`): for the
 prompt being routed, the engine's exact cached prefix, its queue in
-:class:`router.load.BackendLoad`'s terms, and the TTFT its own scheduler and latency
+:class:`router.fleet.load.BackendLoad`'s terms, and the TTFT its own scheduler and latency
 model predict for the prompt. :class:`SideChannel` is the client the bench's ``oracle``
 and ``kv_aware+exact*`` policies (:mod:`loadtest.policies.oracle`) ask it through.
 
@@ -37,7 +37,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from router.load import BackendLoad
+from router.fleet.load import BackendLoad
 
 log = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from router.config import KvAwareWeights
+from kvconfig import KvAwareWeights
 from router.policies.approx_index import ApproxPrefixIndex
 from router.policies.base import UNROUTABLE, Candidate, Decision, RequestCtx, by_score, healthy, mark_unroutable
 from loadtest.policies.engine_state import EngineState, SideChannel

@@ -107,7 +107,8 @@ def run(args: argparse.Namespace) -> int:
     except HashConfigError as e:
         print(f"kvrouter sim: {e}", file=sys.stderr)
         return 2
-    from router.tokenize import TokenizeError, load_tokenizer
+    from router.prompt.prompt_fields import TokenizeError
+    from router.prompt.tokenize import load_tokenizer
 
     try:
         tokenizer = load_tokenizer(args.tokenizer)

@@ -1,6 +1,6 @@
 """The HTTP surface of ``vllm serve`` (0.33) for one simulated engine.
 
-Token ids come from :mod:`router.tokenize` (the renderer the router uses, checked
+Token ids come from :mod:`router.prompt.tokenize` (the renderer the router uses, checked
 against vLLM's own), so ``/tokenize`` and the render endpoints answer what vLLM would.
 Errors are OpenAI-shaped like vLLM's: ``{"error": {"message", "type", "param", "code"}}``,
 400 for bad JSON or fields, for token ids out of vocabulary and for prompts over
@@ -48,7 +48,7 @@ from loadtest.sim.state import (
     StatePrompt,
     snapshot,
 )
-from router.tokenize import TokenizeError
+from router.prompt.prompt_fields import TokenizeError
 
 if TYPE_CHECKING:
     from loadtest.sim.fleet import Instance

@@ -19,7 +19,7 @@ policies refuse to start against one.
   then in the CPU tier (what a perfectly fresh index would say).
 * ``queued_blocks``: its leading blocks that a request already on the engine (running,
   or waiting) will hold once scheduled: the exact form of kv_aware's speculative hits.
-* ``load``: the engine's queue in the router's terms (:class:`router.load.BackendLoad`).
+* ``load``: the engine's queue in the router's terms (:class:`router.fleet.load.BackendLoad`).
 
 ``ahead`` are prompts the client sent to this engine that it has not received yet (the
 HTTP layer picks them by their ordinal against the engine's count of arrivals): they
@@ -251,7 +251,7 @@ def _leading(hashes: Sequence[bytes], held: set[bytes]) -> int:
 
 
 def _load(engine: Engine, running: list[_Seq], waiting: list[_Seq]) -> tuple[dict[str, int], set[bytes]]:
-    """The queue in :class:`router.load.BackendLoad`'s terms, exact: prompt tokens still to
+    """The queue in :class:`router.fleet.load.BackendLoad`'s terms, exact: prompt tokens still to
     prefill, unique KV blocks held or about to be, prompt blocks per request; and the prompt
     blocks of every request on the engine. A waiting request's prefill counts neither what
     the engine holds nor what a request ahead of it will have computed by then (the

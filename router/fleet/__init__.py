@@ -1,1 +1,3 @@
-"""What a router's processes share: the fleet-state log (:mod:`router.fleet.log`) and its transports."""
+"""The backends and what the router's processes know of them: health (``backends``), load
+(``load``), their gauges, and the fleet-state log every process shares (``log``, ``ring``,
+``stream``, ``process``)."""

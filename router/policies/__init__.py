@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import kvconfig
-from router.config import Config, Model, RouterSettings
+from kvconfig import Config, Model, RouterSettings
 from router.policies.approx_index import ApproxPrefixIndex
 from router.policies.base import Policy
 from router.policies.shares import Shares

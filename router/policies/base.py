@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from router.load import BackendLoad, LoadView
+    from router.fleet.load import BackendLoad, LoadView
 
 UNROUTABLE = sys.float_info.max
 

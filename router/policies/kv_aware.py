@@ -23,7 +23,7 @@ tokens) to backend ``b``, lower is better, in KV blocks::
   ``inflight_hit(b)`` are this request's prefix blocks that are *being* prefilled there
   by an earlier request: that part of the queue is work this request would wait for
   anyway and then share, so it is not charged twice. It is read off this process's
-  tickets (:meth:`router.load.BackendLoad.shared_prefill_blocks`), so it stays the same
+  tickets (:meth:`router.fleet.load.BackendLoad.shared_prefill_blocks`), so it stays the same
   when the engine's events index those blocks mid-prefill; ``spec(b) - matched(b)``
   (blocks sent lately, not indexed yet) is a floor for requests other workers and
   replicas sent.
@@ -75,7 +75,7 @@ import math
 import random
 import zlib
 
-from router.config import KvAwareWeights
+from kvconfig import KvAwareWeights
 from router.policies.approx_index import ApproxPrefixIndex
 from router.policies.base import Candidate, Decision, RequestCtx, healthy, mark_unroutable
 from router.policies.shares import Shares

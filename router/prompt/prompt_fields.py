@@ -1,7 +1,7 @@
 """The prompt fields of an OpenAI request body, read the way vLLM 0.33 reads them.
 
-Local tokenization (:mod:`router.tokenize`) and a backend's ``/tokenize``
-(:mod:`router.remote_tokenize`) must accept and refuse the same requests with the same
+Local tokenization (:mod:`router.prompt.tokenize`) and a backend's ``/tokenize``
+(:mod:`router.prompt.remote_tokenize`) must accept and refuse the same requests with the same
 messages, whichever of the two a model uses at the moment, so both read ``prompt``,
 ``add_special_tokens`` and ``truncate_prompt_tokens`` through this module.
 """

@@ -39,11 +39,10 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any
 
 from prometheus_client import Counter
 
-from router.tokenize import PromptTokenizer
+from router.prompt.tokenize import PromptTokenizer
 
 log = logging.getLogger(__name__)
 

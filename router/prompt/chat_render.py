@@ -32,7 +32,7 @@ from typing import Any, Literal
 
 ContentFormat = Literal["string", "openai"]
 """How the template wants message content: one string, or a list of text-part dicts
-(router.chat_template.detect_content_format)."""
+(router.prompt.chat_template.detect_content_format)."""
 
 BILLING_HEADER_PREFIX = "x-anthropic-billing-header"
 

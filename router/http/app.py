@@ -3,8 +3,8 @@
 Each endpoint is one method of :class:`Handlers` (:data:`ROUTES` lists them): it checks
 access, reads the body (:mod:`router.parse`) and hands it to the request path
 (:mod:`router.request_path`), which reads top to bottom: plan, look up, choose, send, settle. ``/debug/route`` runs only its deciding half, which changes
-nothing. Errors are raised as :mod:`router.errors` exceptions and answered by
-:class:`router.dispatch.Endpoints` (and by :func:`router.errors.error_response` inside
+nothing. Errors are raised as :mod:`router.http.errors` exceptions and answered by
+:class:`router.http.dispatch.Endpoints` (and by :func:`router.http.errors.error_response` inside
 the proxy).
 """
 
@@ -24,20 +24,20 @@ from starlette.responses import Response
 
 from indexer.index import Index
 from router import metrics
-from router.auth import Access
-from router.config import Config
+from router.http.auth import Access
+from kvconfig import Config
 from router.core import Router
-from router.dispatch import Endpoints
-from router.errors import ShuttingDown, UnknownModel
+from router.http.dispatch import Endpoints
+from router.http.errors import ShuttingDown, UnknownModel
 from router.parse import json_response, parse_json, read_body
-from router.proxy import ProxyResponse, Upstream, forwarded_headers
+from router.http.proxy import ProxyResponse, Upstream, forwarded_headers
 from router.tuning import Tuning
 
 log = logging.getLogger(__name__)
 
 
 def create_app(config: Config, index: Index | None = None, tuning: Tuning | None = None) -> Endpoints:
-    """The ASGI app: FastAPI owns start-up and shutdown, :class:`router.dispatch.Endpoints`
+    """The ASGI app: FastAPI owns start-up and shutdown, :class:`router.http.dispatch.Endpoints`
     calls :class:`Handlers`' methods straight for the routes of :data:`ROUTES`."""
     router = Router(config, index, tuning)
     handlers = Handlers(router, Access(config.router))

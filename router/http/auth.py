@@ -26,8 +26,8 @@ from collections.abc import Mapping
 from pydantic import SecretStr
 
 from kvconfig import bearer_matches
-from router.config import RouterSettings
-from router.errors import Forbidden, Unauthorized
+from kvconfig import RouterSettings
+from router.http.errors import Forbidden, Unauthorized
 
 
 def _secret(key: SecretStr | None) -> bytes | None:

@@ -18,7 +18,7 @@ same body with a sentinel continuation (for the next turn: an assistant and a us
 message appended; for the same history with another last message: that message
 replaced). Their ids agree up to the last added token the two texts share at the same
 place, because the text between added tokens tokenizes independently (see
-:mod:`router.tokenize`); the entry is the full blocks of that many ids. A template that
+:mod:`router.prompt.tokenize`); the entry is the full blocks of that many ids. A template that
 rewrites earlier text when messages are added (one that moves the system prompt to the
 last user turn, say) shares little, so its entries are short or absent: correct, only
 less useful.
@@ -45,7 +45,7 @@ from prometheus_client import Counter
 from router import metrics
 
 if TYPE_CHECKING:
-    from router.tokenize import PromptTokenizer
+    from router.prompt.tokenize import PromptTokenizer
 
 log = logging.getLogger(__name__)
 

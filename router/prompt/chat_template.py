@@ -15,7 +15,7 @@ tokenize=False)``. That is, for one conversation:
 
 This module builds that environment and takes those steps itself, instead of calling
 ``apply_chat_template``, so the router can render through its own faster sandbox
-(router.fast_sandbox, which says why and by how much) without reaching into the
+(router.prompt.fast_sandbox, which says why and by how much) without reaching into the
 environment transformers caches privately. The golden renderings of the real vLLM
 renderer (``tests/fixtures/golden/render_vectors_*``) and a comparison with
 ``apply_chat_template`` over real conversations check that the two stay byte-identical.
@@ -39,8 +39,8 @@ from jinja2 import nodes
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from router.chat_render import ContentFormat
-from router.fast_sandbox import SANDBOX
+from router.prompt.chat_render import ContentFormat
+from router.prompt.fast_sandbox import SANDBOX
 
 CONTINUE_FINAL_MESSAGE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 """transformers' marker for the end of the message to continue (trailing space included)."""

@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING
 import aiohttp
 
 from router import metrics
-from router.config import Backend, Config, RouterSettings
+from kvconfig import Backend, Config, RouterSettings
 from router.fleet.log import Verdict
 from router.fleet.ring import sender
 

@@ -9,7 +9,7 @@ looks the (method, path) up in a dict and calls the endpoint; anything else (lif
 HEAD, a wrong method, an unknown path) goes to the FastAPI app, which also owns start-up
 and shutdown and knows the same routes (so a wrong method is a 405 there).
 
-Errors keep one shape: a :class:`~router.errors.RouterError` becomes its OpenAI error
+Errors keep one shape: a :class:`~router.http.errors.RouterError` becomes its OpenAI error
 (counted in ``kvrouter_rejected_total``), and an unexpected exception is logged and
 answered 500 in the same shape instead of Starlette's plain-text page, on either path
 (the fallback calls the endpoints through the same guard). Starlette's own answers, an
@@ -33,7 +33,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from router import metrics
-from router.errors import BadRequest, RouterError, error_body, error_response
+from router.http.errors import BadRequest, RouterError, error_body, error_response
 
 log = logging.getLogger(__name__)
 

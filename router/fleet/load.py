@@ -36,13 +36,17 @@ from router.fleet.log import Decided, Ended, FirstToken, Load, Scraped, Settled
 from router.policies.approx_index import stored_keys
 
 if TYPE_CHECKING:
-    from router.backends import BackendPool
+    from router.fleet.backends import BackendPool
     from router.fleet.process import FleetLog
 
 log = logging.getLogger(__name__)
 
 _ZERO = (0, 0, 0, 0, 0)
 SCRAPED_GAUGES = ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc")
+
+
+LOAD_FIELDS = ("in_flight", "prefill_tokens", "decode_seqs", "active_blocks", "context_blocks")
+"""A backend's load counters, in the order :class:`router.fleet.log.Load` carries them."""
 
 
 class _Figures:
@@ -167,7 +171,7 @@ class BackendLoad(_Figures):
         return len(self.block_refs)
 
     def vector(self) -> Load:
-        """The counters, in :data:`router.fleet.log.LOAD_FIELDS` order."""
+        """The counters, in :data:`LOAD_FIELDS` order (a fleet-state record's ``Load``)."""
         return (self.in_flight, self.prefill_tokens, self.decode_seqs, len(self.block_refs), self.context_blocks)
 
     def new_blocks(self, keys: list[int]) -> int:
@@ -367,7 +371,6 @@ class LoadTracker:
     def by_worker(self, backend: str, worker: int, workers: int) -> list[dict[str, int]]:
         """Each worker's counters for ``backend``, this one's and the others' as folded
         (``/debug/backends``)."""
-        from router.fleet.log import LOAD_FIELDS
         from router.fleet.ring import sender
 
         assert self.fleet is not None

@@ -3,7 +3,7 @@
 uvicorn with uvloop and httptools (the fastest event loop and HTTP parser it offers);
 access logs are off because they cost more than routing a short request. With one
 worker (``--workers 1``) this is the whole router, in one process; with more, a
-supervisor (:mod:`router.workers`) runs this same command once per worker, each with
+supervisor (:mod:`router.http.workers`) runs this same command once per worker, each with
 its own ``SO_REUSEPORT`` socket on the port and the directory of the host's fleet-state ring.
 
 The GIL switch interval is lowered from 5 ms to 0.5 ms: the KV-event subscriber and the
@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING
 import uvicorn
 
 from router import metrics
-from router.config import Config, ConfigError, load_config
+from kvconfig import Config, ConfigError, load_config
 from router.policies import load_plugins, offered
 from router.tuning import Tuning
 
@@ -84,7 +84,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=None,
                         help="router processes on the port, sharing load and health (default: router.workers, else "
                              "KVROUTER_WORKERS, else the cores this process may use; 1: a single process)")
-    # Set by the supervisor for each worker it starts (router/workers.py).
+    # Set by the supervisor for each worker it starts (router/http/workers.py).
     parser.add_argument("--worker-index", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--shared-dir", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--replica", default=None, help=argparse.SUPPRESS)
@@ -225,7 +225,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"--workers must be at least 1, got {args.workers}", file=sys.stderr)
         return 2
     if args.worker_index is None:
-        from router.workers import Supervisor, worker_count
+        from router.http.workers import Supervisor, worker_count
 
         try:
             n = worker_count(args.workers, config)
@@ -234,10 +234,10 @@ def run(args: argparse.Namespace) -> int:
             return 2
         if n > 1:
             return Supervisor(args, config, n).run()
-    from router.app import create_app
+    from router.http.app import create_app
 
     if args.worker_index is not None:
-        from router.workers import METRICS_DIR
+        from router.http.workers import METRICS_DIR
 
         metrics.process_metrics().publish(Path(args.shared_dir) / METRICS_DIR)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until the router can reload (its default would end the process)
@@ -281,7 +281,7 @@ def _join_workers(args: argparse.Namespace, config: Config, router: Router) -> s
     router has started (tokenizers loaded, backends checked), so the kernel sends a
     starting or restarting worker no connection it could not answer for seconds."""
     from router.fleet.ring import Ring
-    from router.workers import RING_FILE, reuseport_socket
+    from router.http.workers import RING_FILE, reuseport_socket
 
     router.share(Ring.attach(Path(args.shared_dir) / RING_FILE, args.worker_index), args.worker_index, args.replica)
     return reuseport_socket(config.router.host, config.router.port)

@@ -1,6 +1,6 @@
 """Jinja's immutable sandbox, with its per-access safety checks remembered.
 
-Chat templates render in jinja2's ``ImmutableSandboxedEnvironment`` (router.chat_template
+Chat templates render in jinja2's ``ImmutableSandboxedEnvironment`` (router.prompt.chat_template
 builds the environment transformers uses, in the class chosen here). Every
 ``message.role`` or ``loop.index0`` there goes through ``is_safe_attribute`` (a dozen
 ``isinstance`` checks against abstract base classes), and every method call through
@@ -8,7 +8,7 @@ builds the environment transformers uses, in the class chosen here). Every
 
 Measured (``benchmarks/bench_chat_render.py --reps 400``, shipped Qwen3 template,
 ShareGPT text, medians in ms, one run; stock is transformers' ``apply_chat_template`` as
-vLLM calls it, own the router.chat_template environment in the stock sandbox, memo the
+vLLM calls it, own the router.prompt.chat_template environment in the stock sandbox, memo the
 same in this one)::
 
     case                         tokens   stock    own   memo   saved

@@ -82,7 +82,7 @@ _PROBES = (
 
 @dataclass(frozen=True, slots=True)
 class Scan:
-    """:meth:`router.tokenize.PromptTokenizer.scan`: ``head`` are the exact ids of
+    """:meth:`router.prompt.tokenize.PromptTokenizer.scan`: ``head`` are the exact ids of
     ``text[:head_chars]``; ``complete``: the cache held every segment, and ``head`` is the
     whole prompt's ids."""
 
@@ -162,7 +162,7 @@ class SegmentCache:
 
 class SegmentTokenizer:
     """The segment path for one HF tokenizer. All ids here are without special tokens;
-    :class:`router.tokenize.PromptTokenizer` adds those around them."""
+    :class:`router.prompt.tokenize.PromptTokenizer` adds those around them."""
 
     def __init__(
         self,

@@ -16,7 +16,7 @@ aborts, the upstream connection); the proxy sends, relays bytes and frames SSE:
 - a client disconnect cancels the work: the attempt ends, its upstream response is
   closed, which closes its connection, which makes vLLM abort the request;
 - a backend found dead (connection refused) aborts the requests waiting on it
-  (:meth:`router.backends.BackendState.abort_in_flight`): 502, or a stream error event;
+  (:meth:`router.fleet.backends.BackendState.abort_in_flight`): 502, or a stream error event;
   the router's drain deadline (SIGTERM, ``router.drain_timeout_s``) ends what still runs
   the same way, with 503 or an error event coded ``shutting_down``.
 
@@ -53,9 +53,9 @@ from starlette.types import Receive, Scope, Send
 
 from router import metrics
 from router.attempt import BACKEND_DOWN, SHUTTING_DOWN, Attempt, Attempts
-from router.backends import BackendPool
-from router.errors import RouterError, ShuttingDown, UpstreamError, UpstreamTimeout, error_body, error_response
-from router.load import LoadTracker
+from router.fleet.backends import BackendPool
+from router.http.errors import RouterError, ShuttingDown, UpstreamError, UpstreamTimeout, error_body, error_response
+from router.fleet.load import LoadTracker
 
 FORWARDED_REQUEST_HEADERS = ("content-type", "accept", "x-request-id", "traceparent", "user-agent")
 RELAYED_RESPONSE_HEADERS = frozenset((b"content-type", b"x-request-id", b"cache-control"))

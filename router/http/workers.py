@@ -27,13 +27,13 @@ without receiving connections.
 worker in shared memory, :mod:`router.fleet.ring`): each backend's load (every worker's
 tickets, so kv_aware weighs every request, not 1/N of them), the policies' recent
 decisions, and one health verdict per backend (worker 0 checks, the others follow). ``/metrics`` sums every worker's series
-(through snapshots in the run directory's ``metrics/``: see :mod:`router.worker_metrics`).
+(through snapshots in the run directory's ``metrics/``: see :mod:`router.http.worker_metrics`).
 Each worker follows the engines' KV-event streams itself with the in-memory index, or
 reads the Redis index ``kvrouter indexer`` fills: docs/scaling.md gives the measured costs
 of both.
 
 **Signals.** SIGTERM: forwarded to every worker, each drains as a single router does
-(:mod:`router.server`), and the supervisor exits 0 once all of them exited 0. SIGINT
+(:mod:`router.http.server`), and the supervisor exits 0 once all of them exited 0. SIGINT
 likewise. SIGHUP: forwarded; each worker re-reads the config file (the log names backends,
 so workers that reload a moment apart agree).
 
@@ -61,7 +61,7 @@ import uuid
 from pathlib import Path
 from types import FrameType
 
-from router.config import Config
+from kvconfig import Config
 from router.fleet.ring import Ring
 
 log = logging.getLogger(__name__)

@@ -29,10 +29,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from router import metrics
-from router.backends import BackendPool
-from router.errors import BadRequest, NoHealthyBackend, RouterError, UpstreamError
+from router.fleet.backends import BackendPool
+from router.http.errors import BadRequest, NoHealthyBackend, RouterError, UpstreamError
 from router.runtime import ModelRuntime
-from router.tokenize import RemoteTokenizeError, TokenizeError, UnsupportedPrompt
+from router.prompt.prompt_fields import TokenizeError, UnsupportedPrompt
+from router.prompt.remote_tokenize import RemoteTokenizeError
 
 log = logging.getLogger(__name__)
 

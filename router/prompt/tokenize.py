@@ -3,17 +3,15 @@
 The router hashes the same token ids the engine will hash, so these must match vLLM's
 renderer bit for bit: a single differing token shifts every later block hash and turns
 every prefix-cache hit into a miss. Chat requests are normalised like vLLM
-(router.chat_render), rendered with the model's own chat template
-(router.chat_template), and tokenized with the same HF tokenizer and flags vLLM uses.
+(router.prompt.chat_render), rendered with the model's own chat template
+(router.prompt.chat_template), and tokenized with the same HF tokenizer and flags vLLM uses.
 
 This module is what the request path calls. The rest of the work is in three others,
 each with one job:
 
-* router.prompt_fields: the request's prompt fields, read as vLLM reads them;
-* router.segments: tokenize only the segments of a prompt not seen before;
-* router.remote_tokenize: a backend's ``/tokenize`` and the parity checks against it.
-
-Their public names are re-exported here, where callers have always imported them from.
+* router.prompt.prompt_fields: the request's prompt fields, read as vLLM reads them;
+* router.prompt.segments: tokenize only the segments of a prompt not seen before;
+* router.prompt.remote_tokenize: a backend's ``/tokenize`` and the parity checks against it.
 """
 
 from __future__ import annotations
@@ -25,15 +23,15 @@ from typing import Any
 
 import jinja2
 
-from router.chat_render import (
+from router.prompt.chat_render import (
     ChatRequestError,
     UnsupportedContentError,
     filter_template_kwargs,
     normalize_messages,
     normalize_tools,
 )
-from router.chat_template import ChatTemplate
-from router.prompt_fields import (
+from router.prompt.chat_template import ChatTemplate
+from router.prompt.prompt_fields import (
     EMPTY_PROMPT,
     TokenizeError,
     UnsupportedPrompt,
@@ -41,23 +39,8 @@ from router.prompt_fields import (
     completion_prompts,
     truncation,
 )
-from router.remote_tokenize import ParityGuard, RemoteTokenizeError, RemoteTokenizer, TokenizerMode
-from router.segments import DEFAULT_SEGMENT_CACHE_TOKENS, GIL_FREE_CHARS, Scan, SegmentCache, SegmentTokenizer
+from router.prompt.segments import DEFAULT_SEGMENT_CACHE_TOKENS, Scan, SegmentTokenizer
 
-__all__ = [
-    "DEFAULT_SEGMENT_CACHE_TOKENS",
-    "GIL_FREE_CHARS",
-    "ParityGuard",
-    "PromptTokenizer",
-    "RemoteTokenizeError",
-    "RemoteTokenizer",
-    "Scan",
-    "SegmentCache",
-    "TokenizeError",
-    "TokenizerMode",
-    "UnsupportedPrompt",
-    "load_tokenizer",
-]
 
 
 class PromptTokenizer:
@@ -208,7 +191,7 @@ class PromptTokenizer:
 
     def scan(self, text: str, add_special: bool) -> Scan:
         """What the segment cache already holds of ``text``, without tokenizing anything
-        (:meth:`router.segments.SegmentTokenizer.scan`).
+        (:meth:`router.prompt.segments.SegmentTokenizer.scan`).
 
         Segments tokenize independently, so the head ids are what full tokenization
         starts with; with ``add_special`` they include the tokenizer's special prefix
@@ -226,7 +209,7 @@ class PromptTokenizer:
     def shared_tokens(self, text: str, other: str, add_special: bool) -> tuple[int, int]:
         """How many leading ids of ``text`` are certainly the leading ids of ``other`` too,
         and the characters of ``text`` they cover
-        (:meth:`router.segments.SegmentTokenizer.shared_tokens`). Reads segments of
+        (:meth:`router.prompt.segments.SegmentTokenizer.shared_tokens`). Reads segments of
         ``text`` from the cache without refreshing them, so call it right after ``text``
         was tokenized; (0, 0) when that cannot be known or no text is shared."""
         if not self.segment_enabled or (add_special and self._special_prefix is None):

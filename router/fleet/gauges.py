@@ -21,9 +21,9 @@ if TYPE_CHECKING:
     from indexer.index import Worker
     from indexer.subscriber import StreamStats
     from router.background import Background
-    from router.backends import BackendPool
+    from router.fleet.backends import BackendPool
     from router.fleet.ring import Ring
-    from router.load import LoadTracker
+    from router.fleet.load import LoadTracker
 
 
 class FleetCollector(Collector):

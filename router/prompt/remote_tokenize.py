@@ -22,7 +22,7 @@ import aiohttp
 import msgspec
 from prometheus_client import Counter, Gauge
 
-from router.prompt_fields import TokenizeError, all_token_ids, bool_field, completion_prompts, keep_last
+from router.prompt.prompt_fields import TokenizeError, all_token_ids, bool_field, completion_prompts, keep_last
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class RemoteTokenizer:
 
     async def _tokenize(self, base_url: str, payload: dict[str, Any], client: aiohttp.ClientSession) -> list[int]:
         """One ``/tokenize`` call over the backend's pooled session (the router's one
-        upstream HTTP stack: see router/backends.py)."""
+        upstream HTTP stack: see router/fleet/backends.py)."""
         url = base_url.rstrip("/") + "/tokenize"
         try:
             async with client.post(url, json=payload, timeout=aiohttp.ClientTimeout(total=self.timeout)) as r:
