@@ -225,11 +225,6 @@ class RouterSettings(_Strict):
     session_header: str = "x-session-id"
     """The request header that names a session for the ``session`` policy (without it, the body's
     ``user``)."""
-    prefix_ttl_s: float = Field(default=120.0, gt=0)
-    """How long prefix_approx assumes an engine still caches a prefix it was sent, in seconds."""
-    prefix_max_blocks: int = Field(default=1_000_000, ge=1)
-    """Most block keys per model in the router's memory of where it sent each prefix (prefix_approx,
-    kv_aware's speculative hits); the oldest go first."""
     breaker_failures: int = Field(default=5, ge=1)
     """Consecutive failures of a backend (5xx, resets, timeouts) that open its circuit breaker."""
     breaker_cooldown_s: float = Field(default=5.0, gt=0)
@@ -237,11 +232,6 @@ class RouterSettings(_Strict):
     request decides."""
     max_connections_per_backend: int = Field(default=512, ge=1)
     """Most connections open to one engine at once (each request in flight holds one)."""
-    segment_cache_tokens: int = Field(default=8_000_000, ge=0)
-    """Token ids the tokenizer's segment cache keeps per tokenizer (router/prompt/segments.py), oldest
-    dropped first: ~35 bytes each, ~280 MB at the default when full (a chat soak's RSS grows
-    toward it for hours; kvrouter_tokenizer_segment_cache_tokens shows the fill). 0 keeps
-    nothing: every segment is tokenized anew."""
     subscribe_events: bool | None = None
     """Follow the backends' KV-event streams in this process. Default: yes with the
     in-memory index, no with Redis (the standalone ``kvrouter indexer`` fills it)."""
@@ -253,6 +243,20 @@ class RouterSettings(_Strict):
     """Router processes serving one port (``kvrouter serve --workers N`` and the
     ``KVROUTER_WORKERS`` variable override it). Default: the cores this process may run
     on. 1 is today's single process; more share load and health (router/http/workers.py)."""
+    queue_busy_tokens: int | None = Field(default=None, ge=1)
+    """Turns the router's admission queue on (off while unset). A backend is busy when the
+    prompt tokens queued on it for prefill exceed this: the router's requests before their
+    first token, every worker's and replica's, plus the requests the engine reports waiting
+    that no router process sent. While every healthy backend of a model is busy, a new
+    request waits at the router, and the policy decides when it leaves, on the index and
+    load of that moment (late binding): lower ``priority`` first (vLLM's request field),
+    then tenants in turn (the body's ``user``, else the client's key), then arrival.
+    About one engine step of prefill (``--max-num-batched-tokens``) is a place to start."""
+    queue_max_waiting: int = Field(default=1024, ge=1)
+    """Most requests one router process holds waiting per model; one more gets 429 with
+    ``Retry-After`` at once."""
+    queue_timeout_s: float = Field(default=30.0, gt=0)
+    """Longest a request waits in the router's queue; then it gets 429 with ``Retry-After``."""
     fleet_state: str = "auto"
     """Where the router's processes share their state (load, recent decisions, request
     share): the workers of one host always share it in memory; replicas on several hosts

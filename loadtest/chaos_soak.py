@@ -60,7 +60,7 @@ RUNTIME_METRICS = {"kvrouter_background_jobs": "background_jobs", "kvrouter_back
                    "kvrouter_tokenizer_segment_cache_tokens": "segment_cache_tokens",
                    "kvrouter_backend_ejections": "ejections"}
 """``segment_cache_tokens`` fills only with ``--chat`` (token-id prompts are not tokenized):
-RSS growing with it, toward ``router.segment_cache_tokens``, is a bounded cache filling."""
+RSS growing with it, toward ``Tuning.segment_cache_tokens`` (router/tuning.py), is a bounded cache filling."""
 """Series read from ``/metrics``; a labelled one (per model) is summed over its labels."""
 SOAK_HASH_CACHE_BLOCKS = 32_768
 """The soak router's ``hash_cache_blocks``: full after ~5 minutes of soak traffic."""

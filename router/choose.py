@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from indexer.index import Worker
 from router import metrics
+from router.admission import OPEN, Pass
 from router.fleet.backends import BackendPool
 from router.fleet.load import LoadTracker
 from router.plans import Plan, Query
@@ -87,6 +88,8 @@ class Decided:
     """Where it was sent last (a retry moves it): set by :func:`commit`."""
     ordered: bool = False
     """Committed to the replicas' fleet-state log before it was sent (:mod:`router.fleet.stream`)."""
+    admitted: Pass = OPEN
+    """Its way through the router's admission queue, told when its load ticket is taken."""
 
     @property
     def rt(self) -> ModelRuntime:

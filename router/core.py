@@ -28,6 +28,7 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +36,7 @@ from prometheus_client import CollectorRegistry
 
 from indexer.index import Index, MemoryIndex, Worker
 from router import metrics
+from router.admission import ModelQueue
 from router.background import MAX_SETTLING, Background
 from router.fleet.backends import BackendPool
 from kvconfig import Config
@@ -88,7 +90,7 @@ class Router:
         )
         upstreams = Upstreams(self.pool, self.loads, self.settings.retries)
         self.path = RequestPath(self.settings, self.models, self.index, self.loads, upstreams, planner, self.settler,
-                                self.streams)
+                                self.streams, queues=self._queues())
         self._tasks: list[asyncio.Task[None]] = []
         self._unregister_metrics: Any = None
         self.draining = False
@@ -200,9 +202,24 @@ class Router:
         if cut:
             log.warning("drain deadline: %d request(s) still running were ended with a shutting_down error", cut)
 
+    def _queues(self) -> dict[str, ModelQueue]:
+        """Each model's admission queue, when ``router.queue_busy_tokens`` turns it on."""
+        busy = self.settings.queue_busy_tokens
+        if busy is None:
+            return {}
+        pool = self.pool
+
+        def routable(rt: ModelRuntime) -> Callable[[], list[str]]:
+            return lambda: [b for b in rt.backends if pool.get(b).routable]
+
+        return {rt.name: ModelQueue(rt.name, routable(rt), self.loads, busy, self.settings.queue_max_waiting,
+                                    self.settings.queue_timeout_s) for rt in self.models}
+
     async def stop(self) -> None:
         if self.draining:
             log.info("drained in %.2fs", time.monotonic() - self._drain_started)
+        for q in self.path.queues.values():
+            q.close()
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

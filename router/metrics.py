@@ -51,6 +51,7 @@ _BLOCK_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 81
 
 GAUGE_MERGE: dict[str, GaugeMerge] = {
     "kvrouter_drain_in_flight_requests": operator.add,
+    "kvrouter_queue_depth": operator.add,  # router/admission.py: each worker queues its own
     "kvrouter_tokenizer_segment_cache_tokens": operator.add,  # router/prompt/segments.py
     "kvrouter_hash_cache_blocks": operator.add,  # router/prompt/hash_cache.py
     "kvrouter_tokenizer_remote": max,  # router/prompt/remote_tokenize.py: 1 when any worker switched
@@ -199,6 +200,22 @@ class RouterMetrics:
             "Times a worker of serve --workers found the health leader (worker 0) silent and began checking backends itself",
             registry=registry,
         )
+        self.queue_depth = Gauge(
+            "kvrouter_queue_depth", "Requests waiting in the router's admission queue, by model (router.queue_busy_tokens)",
+            ["model"], registry=registry,
+        )
+        self.queue_wait = Histogram(
+            "kvrouter_queue_wait_seconds", "Time a request waited in the router's admission queue before it was let through",
+            ["model"], buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
+            registry=registry,
+        )
+        self.queue_outcomes = Counter(
+            "kvrouter_queue_outcomes",
+            "Requests that waited in the router's admission queue, by outcome: dispatched (let through when a backend "
+            "stopped being busy), full (429 at once: queue_max_waiting reached), timeout (429 after queue_timeout_s), "
+            "cancelled (the client went away while waiting)",
+            ["model", "outcome"], registry=registry,
+        )
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self._fleet: list[LiveSeries] = []
         self.workers: WorkerSeries | None = None
@@ -327,3 +344,6 @@ FLEET_LOG_DELAY = _PROCESS.fleet_log_delay
 SEQUENCED = _PROCESS.sequenced
 SEQUENCE_SECONDS = _PROCESS.sequence_seconds
 HEALTH_LEADER_GONE = _PROCESS.health_leader_gone
+QUEUE_DEPTH = _PROCESS.queue_depth
+QUEUE_WAIT = _PROCESS.queue_wait
+QUEUE_OUTCOMES = _PROCESS.queue_outcomes

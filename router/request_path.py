@@ -9,6 +9,8 @@ other modules' docstrings use these numbers and names):
    or part of them (a cold prompt's first block, a seen history's cached ids, a
    remembered history's keys) with the rest owed to the background;
 4. **look up** (the index, :mod:`indexer.index`): leading blocks per backend and tier;
+   with the admission queue on, a request first waits while every backend is busy
+   (:mod:`router.admission`), so its look up and choice are made when it may go;
 5. **choose** (:mod:`router.choose`): candidates with their load; the policy decides;
 6. **order** (:mod:`router.fleet.stream`, replicas only): the decision committed to the
    fleet-state log the replicas share, decided again if other replicas' decisions
@@ -31,12 +33,14 @@ of them can decide the backend, and batches usually share their prefix anyway.
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from indexer.index import Index, Worker
 from router import metrics
+from router.admission import OPEN, ModelQueue, priority_of, tenant_of
 from router.attempt import Attempts
 from router.choose import Decided, candidates, commit, prefill_tokens, uncached
 from kvconfig import RouterSettings
@@ -44,7 +48,7 @@ from router.http.errors import NoHealthyBackend
 from router.fleet.log import Decided as DecidedRecord
 from router.fleet.load import LoadTracker
 from router.parse import session_key, validate_fields
-from router.plans import Deferred, ExactIds, Planner, Query
+from router.plans import Deferred, ExactIds, Plan, Planner, Query
 from router.policies.approx_index import stored_keys
 from router.policies.base import RequestCtx
 from router.prompt.prompt_ids import observe_ids
@@ -74,17 +78,36 @@ class RequestPath:
     (kept by :meth:`router.core.Router._watch_index_feed`)."""
     stream: FleetStream | None = None
     """The replicas' fleet-state log, which orders their decisions (``router.fleet_state``; set at start)."""
+    queues: dict[str, ModelQueue] = field(default_factory=dict)
+    """Each model's admission queue, when ``router.queue_busy_tokens`` turns it on."""
 
-    async def decide(self, body: dict[str, Any], raw_len: int, kind: str, headers: Any, *, act: bool = False) -> Decided:
+    async def decide(self, body: dict[str, Any], raw_len: int, kind: str, headers: Any, *, act: bool = False,
+                     disconnected: Callable[[], Awaitable[Any]] | None = None) -> Decided:
         """Stages 2-5 for a parsed body. With ``act`` (a request about to be sent) the plan
-        may defer tokenizing, and the request waits, bounded, for one with the same new
-        first block that is still settling; without it (``/debug/route``) the plan is
+        may defer tokenizing, the request may wait in the admission queue (until
+        ``disconnected`` returns, at most), and it waits, bounded, for one with the same
+        new first block that is still settling; without it (``/debug/route``) the plan is
         always the exact ids, the answer the contract promises."""
         started = time.perf_counter()
         rt, lora = self.models.resolve(body)  # 2. resolve model
         salt = validate_fields(body, kind)
         q = Query(rt, body, kind, raw_len, lora, salt)
         plan = await self.planner.plan(q) if act else await self.planner.exact(q)  # 3. plan
+        queue = self.queues.get(rt.name) if act else None
+        admitted = OPEN
+        if queue is not None:  # 4. look up, once the queue lets it through
+            admitted = await queue.admit(priority_of(body), tenant_of(body, headers.get("authorization")), disconnected)
+        try:
+            d = await self._choose(q, plan, headers, act, started)
+        except BaseException:
+            admitted.taken()
+            raise
+        d.admitted = admitted
+        return d
+
+    async def _choose(self, q: Query, plan: Plan, headers: Any, act: bool, started: float) -> Decided:
+        """Stages 4 and 5 (see :meth:`decide`)."""
+        rt, body = q.rt, q.body
         hits: dict[Worker, dict[str, int]] = {}  # 4. look up
         lookup_s = 0.0
         if isinstance(plan, Deferred):
@@ -113,7 +136,7 @@ class RequestPath:
             events_connected=rt.has_events and (rt.name in self.fed_models or self.streams.connected(rt.backends)),
         )
         if rt.engines is not None:
-            await rt.engines.observe(ctx, cands, plan.token_ids, body, kind)
+            await rt.engines.observe(ctx, cands, plan.token_ids, body, q.kind)
         decision = rt.policy.choose(ctx, cands)
         if isinstance(plan, ExactIds) and plan.unsupported:
             decision.reason = "fallback"
@@ -166,10 +189,12 @@ class RequestPath:
         the next decision already sees this request (its load, its remembered prefix, its
         pending settle)."""
         up, order, rt = self.upstreams, d.decision.order, d.rt
+        started += d.admitted.waited  # the router's overhead leaves out the time it queued
         attempts = Attempts(up.pool, up.loads, up.retries, order, rt.name, rt.policy.name, started,
                             keys=d.ctx.keys, prefill=prefill_tokens(d.ctx, d.candidates), commit=partial(commit, d))
         try:
             first = attempts.open(d.decision.backend, announced=d.ordered)  # 7. send
+            d.admitted.taken()
             _count(d)
             attempts.on_done = d.plan.owe(self.settler, d, first.ticket)  # 8. settle
             return ProxyResponse(up, Upstream(
@@ -182,6 +207,7 @@ class RequestPath:
             # The proxy ends the attempt once it owns it; until then nothing would, and a
             # leaked ticket is phantom load on the backend for the router's lifetime.
             attempts.abandon()
+            d.admitted.taken()
             raise
 
 

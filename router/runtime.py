@@ -84,14 +84,14 @@ class Models:
     def __init__(self, config: Config, tuning: Tuning | None = None) -> None:
         settings = config.router
         tuning = tuning or Tuning()
-        self.segment_cache_tokens = settings.segment_cache_tokens
+        self.segment_cache_tokens = tuning.segment_cache_tokens
         w = settings.weights
         self.runtimes: dict[str, ModelRuntime] = {}
         self.served: dict[str, tuple[ModelRuntime, dict[str, Any] | None]] = {}
         for m in config.models:
             hasher = BlockHasher(m.hash_algo, m.block_size, m.hash_seed, m.vllm_version)
             name = m.policy or settings.policy
-            prefixes = ApproxPrefixIndex(memory_ttl(name, settings), settings.prefix_max_blocks)
+            prefixes = ApproxPrefixIndex(memory_ttl(name, settings, tuning), tuning.prefix_max_blocks)
             shares = Shares(tuning.kv_aware.share_window)
             rt = ModelRuntime(
                 config=m,

@@ -47,4 +47,13 @@ class Tuning(BaseModel):
     """Blocks whose hashes the prefix hash cache keeps per model (~18 bytes each)."""
     parity_sample_rate: float = Field(default=0.01, ge=0.0, le=1.0)
     """Fraction of requests whose local token ids are compared with an engine's ``/tokenize``."""
+    segment_cache_tokens: int = Field(default=8_000_000, ge=0)
+    """Token ids the tokenizer's segment cache keeps per tokenizer (router/prompt/segments.py), oldest
+    dropped first: ~35 bytes each, ~280 MB when full (kvrouter_tokenizer_segment_cache_tokens shows
+    the fill). 0 keeps nothing: every segment is tokenized anew."""
+    prefix_ttl_s: float = Field(default=120.0, gt=0)
+    """How long prefix_approx assumes an engine still caches a prefix it was sent, in seconds."""
+    prefix_max_blocks: int = Field(default=1_000_000, ge=1)
+    """Most block keys per model in the router's memory of where it sent each prefix (prefix_approx,
+    kv_aware's speculative hits); the oldest go first."""
     kv_aware: KvAwareTuning = KvAwareTuning()

@@ -378,10 +378,10 @@ def test_every_policy_routes_real_requests(fleet: dict[str, Any], policy: str) -
 
 
 def test_segment_cache_stays_within_its_configured_bound(fleet: dict[str, Any]) -> None:
-    """``router.segment_cache_tokens`` bounds what the tokenizer's segment cache keeps (the chat
+    """``Tuning.segment_cache_tokens`` bounds what the tokenizer's segment cache keeps (the chat
     soak's RSS grows toward the default bound for hours); prompts stay right above it."""
     bound = 300
-    with InProcessRouter(fleet_config(fleet, segment_cache_tokens=bound)) as r:
+    with InProcessRouter(fleet_config(fleet), Tuning(segment_cache_tokens=bound)) as r:
         c = client(r.url, key="unused")
         for i in range(4):
             text = unique_text(150)

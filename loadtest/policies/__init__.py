@@ -27,4 +27,4 @@ def _build(name: str, p: Parts) -> Policy:
 
 
 for _name in EXACT_STATE_POLICIES:
-    register(_name, Entry(lambda p, n=_name: _build(n, p), speculative_ttl if _name != "oracle" else lambda _: 0.0))
+    register(_name, Entry(lambda p, n=_name: _build(n, p), speculative_ttl if _name != "oracle" else lambda _s, _t: 0.0))

@@ -109,9 +109,12 @@ class Handlers:
         forwarded, client_auth = self.upstream_headers(request)
         raw, body, started = await self.read_json(request)
         path_ = self.router.path
-        decided = await path_.decide(body, len(raw), kind, request.headers, act=True)
-        await path_.order(decided)
-        return path_.send(decided, path, raw, forwarded, client_auth, started)
+        decided = await path_.decide(body, len(raw), kind, request.headers, act=True, disconnected=request.receive)
+        try:
+            await path_.order(decided)
+            return path_.send(decided, path, raw, forwarded, client_auth, started)
+        finally:
+            decided.admitted.taken()  # the queue may let the next one through
 
     async def chat_completions(self, request: Request) -> Response:
         return await self.openai(request, "chat", "/v1/chat/completions")

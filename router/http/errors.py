@@ -17,6 +17,8 @@ class RouterError(Exception):
     status: int = 500
     type: str = "server_error"
     code: str = "internal_error"
+    headers: dict[str, str] | None = None
+    """Headers the answer carries (``Retry-After``)."""
 
     def __init__(self, message: str, *, code: str | None = None) -> None:
         super().__init__(message)
@@ -78,6 +80,28 @@ class ShuttingDown(RouterError):
     code = "shutting_down"
 
 
+class Overloaded(RouterError):
+    """The router's admission queue is full, or a request waited in it past its deadline
+    (:mod:`router.admission`): try again after ``Retry-After`` seconds."""
+
+    status = 429
+    type = "rate_limit_error"
+    code = "queue_full"
+
+    def __init__(self, message: str, *, retry_after_s: int, code: str | None = None) -> None:
+        super().__init__(message, code=code)
+        self.headers = {"Retry-After": str(retry_after_s)}
+
+
+class ClientClosed(RouterError):
+    """The client went away before the router sent its request on (nginx's 499): the
+    answer reaches nobody, and nothing is logged as an error."""
+
+    status = 499
+    type = "invalid_request_error"
+    code = "client_closed_request"
+
+
 class UpstreamError(RouterError):
     """Every backend tried failed before answering (connect error, reset, 502/503).
 
@@ -112,5 +136,5 @@ def error_response(exc: RouterError, headers: dict[str, str] | None = None) -> R
         error_body(exc.message, exc.type, exc.code),
         status_code=exc.status,
         media_type="application/json",
-        headers=headers,
+        headers={**(exc.headers or {}), **(headers or {})} or None,
     )

@@ -38,7 +38,7 @@ class Parts:
 @dataclass(frozen=True, slots=True)
 class Entry:
     build: Callable[[Parts], Policy]
-    memory_ttl: Callable[[RouterSettings], float] = lambda _: 0.0
+    memory_ttl: Callable[[RouterSettings, Tuning], float] = lambda _s, _t: 0.0
     """How long the policy remembers where the router sent a prefix (0: it does not)."""
 
 
@@ -62,8 +62,8 @@ def offered() -> list[str]:
     return [*kvconfig.POLICIES, *sorted(set(_REGISTRY) - set(kvconfig.POLICIES))]
 
 
-def memory_ttl(name: str, settings: RouterSettings) -> float:
-    return _REGISTRY[name].memory_ttl(settings)
+def memory_ttl(name: str, settings: RouterSettings, tuning: Tuning) -> float:
+    return _REGISTRY[name].memory_ttl(settings, tuning)
 
 
 def make_policy(name: str, config: Config, model: Model | None = None, memory: ApproxPrefixIndex | None = None,
@@ -76,7 +76,7 @@ def make_policy(name: str, config: Config, model: Model | None = None, memory: A
     settings = config.router
     tuning = tuning or Tuning()
     if memory is None:
-        memory = ApproxPrefixIndex(entry.memory_ttl(settings), settings.prefix_max_blocks)
+        memory = ApproxPrefixIndex(entry.memory_ttl(settings, tuning), tuning.prefix_max_blocks)
     return entry.build(Parts(config, model, memory, shares or Shares(tuning.kv_aware.share_window), tuning))
 
 
@@ -122,7 +122,7 @@ def _kv_aware(p: Parts) -> Policy:
     return KvAware(p.config.router.weights, p.memory, p.shares, p.tuning.kv_aware)
 
 
-def speculative_ttl(settings: RouterSettings) -> float:
+def speculative_ttl(settings: RouterSettings, _: Tuning) -> float:
     return settings.weights.speculative_ttl_s
 
 
@@ -132,7 +132,7 @@ for _name, _entry in {
     "least_loaded": Entry(_least_loaded),
     "power_of_two": Entry(_power_of_two),
     "session": Entry(_session),
-    "prefix_approx": Entry(_prefix_approx, lambda s: s.prefix_ttl_s),
+    "prefix_approx": Entry(_prefix_approx, lambda _, t: t.prefix_ttl_s),
     "kv_aware": Entry(_kv_aware, speculative_ttl),
 }.items():
     register(_name, _entry)

@@ -49,13 +49,14 @@ SEGMENT_TOKENS = Counter(
 
 CACHE_TOKENS = Gauge(
     "kvrouter_tokenizer_segment_cache_tokens",
-    "Token ids the segment cache holds (bounded by router.segment_cache_tokens; ~35 bytes each)",
+    "Token ids the segment cache holds (bounded by Tuning.segment_cache_tokens; ~35 bytes each)",
     ["model"],
     multiprocess_mode="livesum",
 )
 
 DEFAULT_SEGMENT_CACHE_TOKENS = 8_000_000
-"""LRU bound in cached token ids (``router.segment_cache_tokens``). Each is a pointer in a Python list and, above 256, an int
+"""LRU bound in cached token ids (``Tuning.segment_cache_tokens``, router/tuning.py). Each is a
+pointer in a Python list and, above 256, an int
 object of its own: ~35 bytes a token on English text with the Qwen3 tokenizer (80% of ids
 above 256), so ~280 MB at the default when full. (``array("I")`` would hold 4 bytes a
 token, but every hit would then build its ints: ~85 µs per 8k cached tokens on the event
@@ -130,7 +131,7 @@ class SegmentCache:
             self._evict()
 
     def resize(self, max_tokens: int) -> None:
-        """A new bound (``router.segment_cache_tokens``), evicting the oldest entries above it."""
+        """A new bound (``Tuning.segment_cache_tokens``, router/tuning.py), evicting the oldest entries above it."""
         with self._lock:
             self.max_tokens = max_tokens
             self._evict()

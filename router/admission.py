@@ -1,0 +1,223 @@
+"""Part of stage 4 of the request path, *look up*: the router's admission queue (late binding).
+
+A request decided on arrival joins the queue of the engine it was sent to, even when
+another engine frees up first or the index changes while it waits; under a burst the
+tail latency is set by those queues. With the queue on (``router.queue_busy_tokens``),
+while every healthy backend of a model is *busy* a request planned (stage 3) waits here
+instead, and is let through when one stops being busy: its look up and choice (stages
+4-5) are made then, on the index and load of that moment.
+
+*Busy*: the prompt tokens queued on a backend for prefill exceed the threshold. They are
+what the router knows: every process's requests there before their first token (the
+fleet-state log sums workers and replicas), plus the requests the engine's last scrape
+showed beyond those (``scraped_unseen``: another client's, or ones the router cannot see),
+each counted at the mean queued prompt. Dynamo's router queue gates on the same figure
+(active prefill tokens against ``max_num_batched_tokens``).
+
+Order when a backend frees: lower ``priority`` first (vLLM's request field, lower is
+served first as in vLLM's priority scheduling), then tenants in turn (the body's
+``user``, else a hash of the client's ``Authorization``), then arrival. One request is let
+through at a time and the next waits until it holds its load ticket, so each busy check
+counts the previous one's tokens. A request over ``queue_max_waiting`` or waiting past
+``queue_timeout_s`` gets 429 with ``Retry-After``; one whose client disconnects leaves the
+queue (counted). Each process queues its own requests: the load it weighs is the fleet's.
+
+A request that finds the queue empty and a backend not busy pays one pass over the
+model's backends (no await, no allocation beyond the check).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import hashlib
+import math
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from router import metrics
+from router.fleet.load import LoadTracker
+from router.http.errors import ClientClosed, Overloaded
+
+POLL_S = 0.005
+"""How often a non-empty queue re-checks whether a backend stopped being busy. Polled, not
+evented: the load that frees a backend also arrives from other processes (the fleet-state
+log) and from scrapes, and a 5 ms tick is small against the waits it ends."""
+TAKEN_TIMEOUT_S = 1.0
+"""Longest the queue waits for a released request to take its load ticket before letting
+the next one through (a request that fails before sending releases at once)."""
+
+
+@dataclass(eq=False)
+class Pass:
+    """A request's way through the queue: :meth:`taken` once its load ticket is held (or it
+    failed), so the queue may let the next one through."""
+
+    queue: ModelQueue | None = None
+    priority: int = 0
+    tenant: str = ""
+    arrived: float = 0.0
+    released: asyncio.Future[None] | None = None
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    waited: float = 0.0
+    """Seconds it waited in the queue."""
+
+    def taken(self) -> None:
+        self.done.set()
+
+
+OPEN = Pass()
+"""What a request that did not wait holds (nothing to signal)."""
+
+
+class ModelQueue:
+    """One model's waiting requests: priority bands, a rotation of tenants in each, arrival
+    order within a tenant."""
+
+    def __init__(self, model: str, backends: Callable[[], list[str]], loads: LoadTracker, busy_tokens: int,
+                 max_waiting: int, timeout_s: float) -> None:
+        self.model = model
+        self._backends = backends
+        self._loads = loads
+        self.busy_tokens = busy_tokens
+        self.max_waiting = max_waiting
+        self.timeout_s = timeout_s
+        self._bands: dict[int, collections.OrderedDict[str, collections.deque[Pass]]] = {}
+        self.depth = 0
+        self._task: asyncio.Task[None] | None = None
+        self._wait_ewma = 0.0
+
+    def busy(self) -> bool:
+        """Whether every healthy backend of the model is busy (see the module docstring)."""
+        names = self._backends()
+        for name in names:
+            load = self._loads.get(name)
+            queued = load.prefill_tokens
+            if load.scraped_unseen > 0:
+                waiting = len(load.prefilling)
+                mean = load.prefill_tokens / waiting if waiting else self.busy_tokens / 4
+                queued += load.scraped_unseen * mean
+            if queued <= self.busy_tokens:
+                return False
+        return bool(names)
+
+    async def admit(self, priority: int, tenant: str, disconnected: Callable[[], Awaitable[Any]] | None) -> Pass:
+        """Return at once while nobody waits and a backend is not busy; else wait in turn."""
+        if self.depth == 0 and not self.busy():
+            return OPEN
+        if self.depth >= self.max_waiting:
+            self._count("full")
+            raise Overloaded(f"the router's queue for model {self.model!r} is full ({self.depth} waiting)",
+                             retry_after_s=self._retry_after(), code="queue_full")
+        p = Pass(self, priority, tenant, time.monotonic(), asyncio.get_running_loop().create_future())
+        self._push(p)
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._dispatch_forever())
+        assert p.released is not None
+        gone = asyncio.ensure_future(disconnected()) if disconnected is not None else None
+        try:
+            waiters: set[asyncio.Future[Any]] = {p.released, gone} if gone is not None else {p.released}
+            finished, _ = await asyncio.wait(waiters, timeout=self.timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            self._leave(p, "cancelled")
+            raise
+        finally:
+            if gone is not None:
+                gone.cancel()
+        if p.released.done():  # let through (at the deadline too: it goes)
+            p.waited = waited = time.monotonic() - p.arrived
+            self._wait_ewma += 0.1 * (waited - self._wait_ewma)
+            metrics.child(metrics.QUEUE_WAIT, self.model).observe(waited)
+            self._count("dispatched")
+            return p
+        if gone is not None and gone in finished:
+            self._leave(p, "cancelled")
+            raise ClientClosed("the client closed the connection while its request waited in the router's queue")
+        self._leave(p, "timeout")
+        raise Overloaded(f"waited {self.timeout_s:g} s in the router's queue for model {self.model!r}",
+                         retry_after_s=self._retry_after(), code="queue_timeout")
+
+    def _push(self, p: Pass) -> None:
+        band = self._bands.setdefault(p.priority, collections.OrderedDict())
+        band.setdefault(p.tenant, collections.deque()).append(p)
+        self.depth += 1
+        metrics.child(metrics.QUEUE_DEPTH, self.model).set(self.depth)
+
+    def _pop(self) -> Pass | None:
+        """The next request: the lowest priority band, its next tenant in turn, that
+        tenant's oldest (the tenant then moves to the back of the band's rotation)."""
+        while self._bands:
+            prio = min(self._bands)
+            band = self._bands[prio]
+            tenant, line = next(iter(band.items()))
+            p = line.popleft()
+            band.move_to_end(tenant)
+            if not line:
+                del band[tenant]
+            if not band:
+                del self._bands[prio]
+            self.depth -= 1
+            metrics.child(metrics.QUEUE_DEPTH, self.model).set(self.depth)
+            if p.released is not None and not p.released.done():
+                return p
+        return None
+
+    def _leave(self, p: Pass, outcome: str) -> None:
+        """Take ``p`` out (its wait ended without a release), if it is still in."""
+        band = self._bands.get(p.priority)
+        line = band.get(p.tenant) if band is not None else None
+        if line is not None and p in line:
+            line.remove(p)
+            if not line:
+                del band[p.tenant]  # type: ignore[union-attr]
+            if not band:
+                del self._bands[p.priority]
+            self.depth -= 1
+            metrics.child(metrics.QUEUE_DEPTH, self.model).set(self.depth)
+        p.taken()
+        self._count(outcome)
+
+    async def _dispatch_forever(self) -> None:
+        """Let one request through whenever a backend is not busy, until nobody waits."""
+        while self.depth:
+            if self.busy():
+                await asyncio.sleep(POLL_S)
+                continue
+            p = self._pop()
+            if p is None:
+                break
+            assert p.released is not None
+            p.released.set_result(None)
+            try:
+                await asyncio.wait_for(p.done.wait(), TAKEN_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                pass
+
+    def _retry_after(self) -> int:
+        """Seconds a client should wait before trying again: the recent queue wait, at least 1."""
+        return max(1, math.ceil(self._wait_ewma))
+
+    def _count(self, outcome: str) -> None:
+        metrics.child(metrics.QUEUE_OUTCOMES, self.model, outcome).inc()
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+
+def priority_of(body: dict[str, Any]) -> int:
+    """vLLM's ``priority`` (lower first); anything but an int counts as 0 (vLLM refuses it)."""
+    p = body.get("priority", 0)
+    return p if isinstance(p, int) and not isinstance(p, bool) else 0
+
+
+def tenant_of(body: dict[str, Any], authorization: str | None) -> str:
+    """The body's ``user``, else a hash of the client's credentials (never the key itself)."""
+    user = body.get("user")
+    if isinstance(user, str) and user:
+        return "user:" + user
+    if authorization:
+        return "key:" + hashlib.sha256(authorization.encode()).hexdigest()[:16]
+    return ""

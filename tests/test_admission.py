@@ -1,0 +1,144 @@
+"""The router's admission queue (router/admission.py) on real processes: a ``kvrouter serve``
+in front of one simulated engine (``kvrouter sim --speedup 1``), on loopback.
+
+``queue_busy_tokens: 1`` makes the backend busy while any request is before its first
+token, so the queue lets one request through per first token: with ``max_tokens: 1``
+the order in which the answers come back is the order the queue let them through.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from loadtest.fleet import scrape_labelled
+from support import KVROUTER, Proc, free_port, wait_http
+from test_workers import MODEL, model, sim_backend
+
+pytestmark = pytest.mark.slow
+
+LONG = "a long document to prefill first " * 500
+"""About 3,500 tokens: at speedup 1 the engine takes ~0.5 s to prefill it."""
+
+
+def serve(sim: Any, tmp: Path, **queue: Any) -> tuple[Proc, str]:
+    port = free_port()
+    config = {"models": [model(sim_backend(sim, 0))],
+              "router": {"queue_busy_tokens": 1, "health_interval_s": 0.5, **queue}}
+    path = tmp / "router.yaml"
+    path.write_text(yaml.safe_dump(config))
+    proc = Proc([*KVROUTER, "serve", "--config", str(path), "--port", str(port), "--workers", "1"], tmp / "router.log")
+    url = f"http://127.0.0.1:{port}"
+    wait_http(url + "/health", timeout=120, proc=proc.popen)
+    return proc, url
+
+
+async def complete(c: httpx.AsyncClient, url: str, prompt: str, **fields: Any) -> httpx.Response:
+    return await c.post(url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1, **fields})
+
+
+def outcomes(url: str) -> dict[str, float]:
+    return scrape_labelled(url + "/metrics", "kvrouter_queue_outcomes_total", "outcome")
+
+
+def test_the_queue_lets_requests_through_by_priority_then_tenant_in_turn_then_arrival(sim_fleet: Any,
+                                                                                      tmp_path: Path) -> None:
+    sim = sim_fleet("--speedup", "1")
+    proc, url = serve(sim, tmp_path)
+    try:
+        async def run() -> list[str]:
+            done: list[str] = []
+            async with httpx.AsyncClient(timeout=60) as c:
+                async def one(name: str, prompt: str = "", **fields: Any) -> None:
+                    r = await complete(c, url, prompt or f"question {name} " * 20, **fields)
+                    assert r.status_code == 200, r.text
+                    done.append(name)
+
+                # The blocker's long prompt keeps the backend busy while the six arrive.
+                blocker = asyncio.ensure_future(one("blocker", LONG))
+                await asyncio.sleep(0.1)  # the blocker is in prefill: the backend is busy
+                waiting = []
+                for name, fields in [("a1", {"user": "a"}), ("a2", {"user": "a"}), ("a3", {"user": "a"}),
+                                     ("b1", {"user": "b"}), ("b2", {"user": "b"}), ("urgent", {"user": "c", "priority": -1})]:
+                    waiting.append(asyncio.ensure_future(one(name, **fields)))
+                    await asyncio.sleep(0.02)  # arrival order
+                await asyncio.gather(blocker, *waiting)
+            return done
+
+        order = asyncio.run(run())
+        assert order[0] == "blocker", order
+        # Priority first; then tenants a and b in turn, each in arrival order.
+        assert order[1:] == ["urgent", "a1", "b1", "a2", "b2", "a3"], order
+        assert outcomes(url).get("dispatched", 0) >= 6
+    finally:
+        proc.stop()
+
+
+def test_a_full_queue_and_a_wait_past_the_deadline_get_429_with_retry_after(sim_fleet: Any, tmp_path: Path) -> None:
+    """``queue_max_waiting: 1``: with the backend busy and one request waiting, the next
+    gets 429 at once; the one waiting gets 429 at ``queue_timeout_s`` if the backend is
+    still busy then. Both carry ``Retry-After``, and every request gets an answer."""
+    sim = sim_fleet("--speedup", "0.25")  # the blocker's prefill takes ~2 s
+    proc, url = serve(sim, tmp_path, queue_max_waiting=1, queue_timeout_s=0.5)
+    try:
+        async def run() -> list[httpx.Response]:
+            async with httpx.AsyncClient(timeout=60) as c:
+                blocker = asyncio.ensure_future(complete(c, url, LONG))
+                await asyncio.sleep(0.2)
+                waiting = asyncio.ensure_future(complete(c, url, "question one " * 20))
+                await asyncio.sleep(0.1)
+                t0 = time.monotonic()
+                over = await complete(c, url, "question two " * 20)
+                assert time.monotonic() - t0 < 0.4, "a full queue answers at once"
+                return [await blocker, await waiting, over]
+
+        blocker, waiting, over = asyncio.run(run())
+        assert blocker.status_code == 200, blocker.text
+        for r, code in ((waiting, "queue_timeout"), (over, "queue_full")):
+            assert r.status_code == 429, r.text
+            assert r.json()["error"]["code"] == code and r.json()["error"]["type"] == "rate_limit_error", r.text
+            assert int(r.headers["retry-after"]) >= 1
+        got = outcomes(url)
+        assert got.get("timeout") == 1 and got.get("full") == 1, got
+        assert "Traceback" not in (tmp_path / "router.log").read_text()
+    finally:
+        proc.stop()
+
+
+def test_a_client_that_disconnects_while_queued_leaves_the_queue(sim_fleet: Any, tmp_path: Path) -> None:
+    """A queued client that goes away is taken out (``cancelled``), never sent to the
+    engine, and the request after it is served as usual."""
+    sim = sim_fleet("--speedup", "0.25")
+    proc, url = serve(sim, tmp_path, queue_timeout_s=30)
+    try:
+        async def run() -> httpx.Response:
+            async with httpx.AsyncClient(timeout=60) as c:
+                blocker = asyncio.ensure_future(complete(c, url, LONG))
+                await asyncio.sleep(0.2)
+                async with httpx.AsyncClient(timeout=0.5) as impatient:
+                    with pytest.raises(httpx.ReadTimeout):
+                        await complete(impatient, url, "question gone " * 20)
+                # The client closed its connection: the router notices and forgets it.
+                for _ in range(50):
+                    if outcomes(url).get("cancelled"):
+                        break
+                    await asyncio.sleep(0.05)
+                assert (await blocker).status_code == 200
+                return await complete(c, url, "question after " * 20)
+
+        after = asyncio.run(run())
+        assert after.status_code == 200, after.text
+        got = outcomes(url)
+        assert got.get("cancelled") == 1, got
+        depth = scrape_labelled(url + "/metrics", "kvrouter_queue_depth", "model")
+        assert depth.get(MODEL) == 0, depth
+        served = scrape_labelled(sim.http(0) + "/metrics", "vllm:request_success_total", "finished_reason")
+        assert sum(served.values()) == 2, served  # the blocker and the one after: never the cancelled one
+    finally:
+        proc.stop()
