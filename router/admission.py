@@ -142,8 +142,7 @@ class ModelQueue:
     def _push(self, p: Pass) -> None:
         band = self._bands.setdefault(p.priority, collections.OrderedDict())
         band.setdefault(p.tenant, collections.deque()).append(p)
-        self.depth += 1
-        metrics.child(metrics.QUEUE_DEPTH, self.model).set(self.depth)
+        self._resize(1)
 
     def _pop(self) -> Pass | None:
         """The next request: the lowest priority band, its next tenant in turn, that
@@ -158,8 +157,7 @@ class ModelQueue:
                 del band[tenant]
             if not band:
                 del self._bands[prio]
-            self.depth -= 1
-            metrics.child(metrics.QUEUE_DEPTH, self.model).set(self.depth)
+            self._resize(-1)
             if p.released is not None and not p.released.done():
                 return p
         return None
@@ -174,8 +172,7 @@ class ModelQueue:
                 del band[p.tenant]  # type: ignore[union-attr]
             if not band:
                 del self._bands[p.priority]
-            self.depth -= 1
-            metrics.child(metrics.QUEUE_DEPTH, self.model).set(self.depth)
+            self._resize(-1)
         p.taken()
         self._count(outcome)
 
@@ -194,6 +191,10 @@ class ModelQueue:
                 await asyncio.wait_for(p.done.wait(), TAKEN_TIMEOUT_S)
             except asyncio.TimeoutError:
                 pass
+
+    def _resize(self, by: int) -> None:
+        self.depth += by
+        metrics.child(metrics.QUEUE_DEPTH, self.model).set(self.depth)
 
     def _retry_after(self) -> int:
         """Seconds a client should wait before trying again: the recent queue wait, at least 1."""
