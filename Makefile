@@ -169,6 +169,9 @@ bench-workers: install redis
 	  --output-scale 0.1 --cpu-offload-blocks 65536)
 	$(call bench_workers,sharegpt,--workload sharegpt --max-requests 300 --speedup 4)
 	$(call bench_workers,synthetic,--workload synthetic --max-requests 200 --speedup 4 --num-blocks 1024)
+	$(call bench_workers,mixed-1001,--workload mixed --seed 1001 --max-requests 200 --speedup 4)
+	$(call bench_workers,mixed-1002,--workload mixed --seed 1002 --max-requests 200 --speedup 4)
+	$(call bench_workers,mixed-1003,--workload mixed --seed 1003 --max-requests 200 --speedup 4)
 
 # Issue 16's scale-out figures (docs/scaling.md). wrk is the load generator the throughput
 # bench needs (a Python client cannot outrun the router); installed with apt-get when absent.
