@@ -89,7 +89,8 @@ class Decided:
     ordered: bool = False
     """Committed to the replicas' fleet-state log before it was sent (:mod:`router.fleet.stream`)."""
     admitted: Pass = OPEN
-    """Its way through the router's admission queue, told when its load ticket is taken."""
+    """Its way through the router's admission queue; whoever sends it calls ``taken()`` once
+    :meth:`router.request_path.RequestPath.send` returned (the load ticket is held), or it failed."""
 
     @property
     def rt(self) -> ModelRuntime:

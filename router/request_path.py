@@ -194,7 +194,6 @@ class RequestPath:
                             keys=d.ctx.keys, prefill=prefill_tokens(d.ctx, d.candidates), commit=partial(commit, d))
         try:
             first = attempts.open(d.decision.backend, announced=d.ordered)  # 7. send
-            d.admitted.taken()
             _count(d)
             attempts.on_done = d.plan.owe(self.settler, d, first.ticket)  # 8. settle
             return ProxyResponse(up, Upstream(
@@ -207,7 +206,6 @@ class RequestPath:
             # The proxy ends the attempt once it owns it; until then nothing would, and a
             # leaked ticket is phantom load on the backend for the router's lifetime.
             attempts.abandon()
-            d.admitted.taken()
             raise
 
 
