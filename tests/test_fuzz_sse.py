@@ -50,7 +50,7 @@ from support import QWEN3_DIR, LoopbackEngine, RouterProc, fuzz_cases, openai_er
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 MODEL = "m"
-READ_TIMEOUT_S = 1.5
+READ_TIMEOUT_S = 3.0
 CASES = fuzz_cases(300, 3000)
 SEED = 1717
 
@@ -223,12 +223,16 @@ def done_ending(sent: bytes) -> bool:
     return last_line in (b"data: [DONE]", b"data:[DONE]") and not sse_events(sent)[1]
 
 
-def check_stream(script: Script, status: int, body: bytes, what: str) -> str:
+def check_stream(script: Script, status: int, body: bytes, what: str, elapsed: float) -> str:
     """The client-side contract (see the module docstring); returns the outcome's name."""
     sent = script.sent
     if status != 200:
         assert status in (502, 504), what
-        openai_error(body)
+        error = openai_error(body)
+        if error["code"] == "upstream_timeout" and elapsed >= READ_TIMEOUT_S:
+            # The engine (a thread of this loaded test process) did not answer within the
+            # read timeout: the router's timeout did its job; no script property is tested.
+            return SLOW
         assert not sse_events(sent)[0] or script.ending != "eof", what  # only a failure before any event
         return f"{status} before the first byte"
     if script.ending == "eof" and done_ending(sent):
@@ -246,7 +250,10 @@ def check_stream(script: Script, status: int, body: bytes, what: str) -> str:
     return f"{script.ending}: error event"
 
 
-def run_case(fleet: Fleet, n: int, script: Script) -> None:
+SLOW = "504: the engine did not answer in time"
+
+
+def run_case(fleet: Fleet, n: int, script: Script) -> str:
     prompt = f"case-{n}"
     fleet.engine.scripts[prompt] = script
     body = {"model": MODEL, "prompt": prompt, "stream": True, "max_tokens": 4}
@@ -271,9 +278,20 @@ def run_case(fleet: Fleet, n: int, script: Script) -> None:
         if script.ending == "eof":
             assert bytes(got) == script.sent, what
     else:
-        outcome = check_stream(script, status, bytes(got), what)
+        outcome = check_stream(script, status, bytes(got), what, elapsed)
     fleet.outcomes[outcome] = fleet.outcomes.get(outcome, 0) + 1
     del fleet.engine.scripts[prompt]
+    return outcome
+
+
+def run_regression(fleet: Fleet, n: int, script: Script) -> None:
+    """One scripted case, again (up to 3 tries) while a slow engine makes it time out before
+    its first byte, so the property it guards is tested rather than the machine's load."""
+    for _ in range(3):
+        if run_case(fleet, n, script) != SLOW:
+            break
+    else:
+        pytest.fail("the engine timed out 3 times in a row")
 
 
 def in_flight(fleet: Fleet) -> dict[str, Any]:
@@ -331,14 +349,14 @@ def test_a_stream_cut_inside_an_event_ends_with_a_separate_error_event(fleet: Fl
     (``data: {"cho`` + ``data: {"error"...``), which a client parses as one broken event."""
     whole = b'data: {"choices": [{"text": "a"}]}\n\n'
     script = Script([whole, b'data: {"choices": [{"te'], [0.0, 0.01], "reset")
-    run_case(fleet, 10**6, script)
+    run_regression(fleet, 10**6, script)
     wait_released(fleet)
 
 
 def test_a_stream_that_ends_without_done_is_not_a_silent_200(fleet: Fleet) -> None:
     """Regression: a clean end of the engine's stream without ``[DONE]`` reached the client as a complete 200."""
     script = Script([b'data: {"choices": [{"text": "a"}]}\n\n'], [0.0], "eof")
-    run_case(fleet, 10**6 + 1, script)
+    run_regression(fleet, 10**6 + 1, script)
     wait_released(fleet)
 
 
