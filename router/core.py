@@ -84,7 +84,7 @@ class Router:
         """The subscriber's own series, exposed through :class:`router.fleet.gauges.FleetCollector` so
         that several routers can live in one process (tests) without name clashes."""
         planner = Planner(
-            IdSource(self.executor, self.pool, t.inline_tokenize_bytes),
+            IdSource(self.executor, self.pool, t.inline_tokenize_bytes, t.tokenize_pending_bytes),
             defer=t.defer_cold_prompts, inline_bytes=t.inline_tokenize_bytes,
             busy=lambda: self.background.full,
         )

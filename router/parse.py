@@ -55,12 +55,21 @@ def parse_json(raw: bytes) -> dict[str, Any]:
     return body
 
 
+MAX_MESSAGES = 16_384
+"""The most messages one chat request may carry. Rendering is linear in them with a large
+constant (jinja, then the segment scan); a long agent session has hundreds to a few
+thousand, and a 200,000-message body was only a way to make the router work."""
+
+
 def validate_fields(body: dict[str, Any], kind: str) -> str | None:
     """Check the fields routing reads; returns the request's ``cache_salt``."""
     if kind == "chat":
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise BadRequest("'messages' is required and must be a non-empty list", code="missing_messages")
+        if len(messages) > MAX_MESSAGES:
+            raise BadRequest(f"'messages' has {len(messages)} entries; the router accepts at most {MAX_MESSAGES}",
+                             code="too_many_messages")
     elif "prompt" not in body or body["prompt"] is None:
         raise BadRequest("'prompt' is required", code="missing_prompt")
     stream = body.get("stream")

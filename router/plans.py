@@ -46,6 +46,7 @@ from router.fleet.load import Ticket
 from router.prompt.prompt_ids import IdSource, Ids, Rendered
 from router.runtime import ModelRuntime, check_length, length_error
 from router.prompt.prompt_fields import TokenizeError, UnsupportedPrompt
+from router.prompt.length import CHARS_PER_TOKEN
 from router.prompt.segments import Scan
 from router.prompt.tokenize import PromptTokenizer
 
@@ -330,7 +331,7 @@ class Planner:
 
     async def plan(self, q: Query) -> Plan:
         rt = q.rt
-        if not (self.defer and rt.engines is None and q.raw_len > self.inline_bytes):
+        if not (self.defer and rt.engines is None and self.inline_bytes < q.raw_len <= too_big_to_plan(rt)):
             return await self.exact(q)
         q.chain = _chain(q)
         draft = Draft(q, self.inline_bytes)
@@ -360,6 +361,20 @@ class Planner:
             return ExactIds(Ids([], [], []), rendered, outcome, unsupported=True)
         check_length(q.rt, q.body, ids.lengths)
         return ExactIds(ids, rendered, outcome)
+
+
+PLAN_MAX_BYTES = 1 << 20
+"""Bodies past this many bytes are not planned on the event loop: rendering and scanning
+them there (a 200,000-message chat is 8.7 MiB) stalled every other request, /health too,
+for seconds. They take the full path, which renders and tokenizes them in the pool."""
+
+
+def too_big_to_plan(rt: ModelRuntime) -> int:
+    """The largest body the deferred modes look at: :data:`PLAN_MAX_BYTES`, or less where a
+    body that long may already be past ``max_model_len`` (the full path bounds its work,
+    :mod:`router.prompt.length`; a deferred plan would tokenize all of it in the background)."""
+    limit = rt.max_model_len
+    return PLAN_MAX_BYTES if limit is None else min(PLAN_MAX_BYTES, CHARS_PER_TOKEN * limit)
 
 
 def _chain(q: Query) -> Chain | None:

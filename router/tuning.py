@@ -43,6 +43,9 @@ class Tuning(BaseModel):
     """Route a chat whose messages start with ones already tokenized on their remembered keys (router/prompt/history.py)."""
     inline_tokenize_bytes: int = Field(default=2048, ge=0)
     """Bodies, and a prompt's uncached text, up to this many bytes are tokenized at once on the event loop."""
+    tokenize_pending_bytes: int = Field(default=64 << 20, ge=0)
+    """Most request-body bytes waiting for, or in, the tokenizer pool; a request past it gets a 429
+    (``tokenizer_busy``) rather than queueing unbounded work and memory."""
     hash_cache_blocks: int = Field(default=500_000, ge=16)
     """Blocks whose hashes the prefix hash cache keeps per model (~18 bytes each)."""
     parity_sample_rate: float = Field(default=0.01, ge=0.0, le=1.0)

@@ -22,6 +22,8 @@ tokenization, local against a backend) are work the request owes after it is sen
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import logging
 import time
 from concurrent.futures import Executor
@@ -30,16 +32,26 @@ from typing import Any
 
 from router import metrics
 from router.fleet.backends import BackendPool
-from router.http.errors import BadRequest, NoHealthyBackend, RouterError, UpstreamError
+from router.http.errors import BadRequest, NoHealthyBackend, Overloaded, PromptTooLong, RouterError, UpstreamError
 from router.runtime import ModelRuntime
 from router.prompt.prompt_fields import TokenizeError, UnsupportedPrompt
 from router.prompt.remote_tokenize import RemoteTokenizeError
+from router.prompt.tokenize import TooLong
 
 log = logging.getLogger(__name__)
 
 INLINE_ID_TOKENS = 8192
 """Longest token-id prompt hashed on the event loop: a full cache miss of 512 blocks costs
 ~1.5 ms of SHA-256, still less than a thread hop under load."""
+
+UNKNOWN_LIMIT = 1 << 20
+"""The token count past which a model whose ``max_model_len`` nobody knows is not
+tokenized (routed without cache information, the engine judges it): the router's work
+and memory stay bounded whatever a client sends."""
+
+TRIM_AFTER_BYTES = 4 << 20
+"""A pool job on a body this large hands its freed memory back to the OS when done
+(glibc keeps a big job's peak otherwise: a 15 MiB prompt left 1.9 GB resident)."""
 
 
 @dataclass(slots=True)
@@ -68,11 +80,14 @@ class Ids:
 class IdSource:
     """Exact ids and keys for one router: its tokenizer pool, its backends, its inline budget."""
 
-    def __init__(self, executor: Executor, pool: BackendPool, inline_bytes: int) -> None:
+    def __init__(self, executor: Executor, pool: BackendPool, inline_bytes: int, pending_bytes: int) -> None:
         self.executor = executor
         self.pool = pool
         self.inline_bytes = inline_bytes
         """``Tuning.inline_tokenize_bytes``: text this short is tokenized on the event loop."""
+        self.max_pending = pending_bytes
+        """``Tuning.tokenize_pending_bytes``: the most body bytes waiting for, or in, the pool."""
+        self.pending = 0
 
     async def exact(
         self, rt: ModelRuntime, body: dict[str, Any], kind: str, raw_len: int,
@@ -90,14 +105,29 @@ class IdSource:
         try:
             if inline:
                 return local_ids(rt, body, kind, lora, salt, rendered)
-            return await asyncio.get_running_loop().run_in_executor(
-                self.executor, local_ids, rt, body, kind, lora, salt, rendered)
+            return await self._in_pool(rt, body, kind, raw_len, lora, salt, rendered)
         except (TokenizeError, RouterError):
             raise
         except Exception as e:  # noqa: BLE001 - a tokenizer crash must not fail the request
             log.warning("local tokenization of %s failed (%r); asking a backend", rt.name, e)
             metrics.child(metrics.TOKENIZER_FALLBACKS, rt.name, "local_error").inc()
             return await self._remote(rt, body, kind, 0, lora, salt)
+
+    async def _in_pool(
+        self, rt: ModelRuntime, body: dict[str, Any], kind: str, raw_len: int,
+        lora: dict[str, Any] | None, salt: str | None, rendered: Rendered | None,
+    ) -> Ids:
+        """:func:`local_ids` in the tokenizer pool, its queue bounded in bytes: past the
+        bound a request gets a 429 (a client cannot queue unbounded work and memory)."""
+        if self.pending and self.pending + raw_len > self.max_pending:
+            raise Overloaded(f"the router's tokenizer has {self.pending} bytes of prompts queued; try again",
+                             retry_after_s=1, code="tokenizer_busy")
+        self.pending += raw_len
+        try:
+            return await asyncio.get_running_loop().run_in_executor(
+                self.executor, _pool_job, rt, body, kind, lora, salt, rendered, raw_len)
+        finally:
+            self.pending -= raw_len
 
     async def _remote(
         self, rt: ModelRuntime, body: dict[str, Any], kind: str, raw_len: int, lora: dict[str, Any] | None, salt: str | None
@@ -136,29 +166,69 @@ def observe_ids(rt: ModelRuntime, ids: Ids) -> None:
     metrics.child(metrics.HASH_SECONDS, rt.name).observe(ids.hash_s)
 
 
+def _pool_job(
+    rt: ModelRuntime, body: dict[str, Any], kind: str, lora: dict[str, Any] | None, salt: str | None,
+    rendered: Rendered | None, raw_len: int,
+) -> Ids:
+    try:
+        return local_ids(rt, body, kind, lora, salt, rendered)
+    finally:
+        if raw_len >= TRIM_AFTER_BYTES:
+            trim_memory()
+
+
+def trim_memory() -> None:
+    """Hand the heap's free pages back to the OS (glibc's ``malloc_trim``; a no-op elsewhere).
+    Written by hand: no library exposes it, and Python's allocator returns its arenas to
+    malloc, which keeps them."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def _libc() -> Any:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim.argtypes = [ctypes.c_size_t]
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+_LIBC = _libc()
+
+
 def local_ids(
     rt: ModelRuntime, body: dict[str, Any], kind: str, lora: dict[str, Any] | None, salt: str | None,
     rendered: Rendered | None = None,
 ) -> Ids:
-    """Tokenize and hash with the model's own tokenizer (any thread)."""
+    """Tokenize and hash with the model's own tokenizer (any thread).
+
+    A prompt found to reach the model's ``max_model_len`` before it is tokenized whole is
+    a 400 (:mod:`router.prompt.length`); with ``truncate_prompt_tokens``, or when nobody
+    knows the limit, one past it is routed without cache information instead."""
     tok = rt.tokenizer
     assert tok is not None
+    limit = rt.max_model_len or UNKNOWN_LIMIT
     t0 = time.perf_counter()
     try:
         if rendered is not None:  # one text, no truncation: see PromptTokenizer.prompt_text
             # The sampled full-tokenization check costs a whole cold tokenization: never
             # here, which may be the event loop (see router.settle).
-            first = rendered.ids or tok.text_ids(rendered.text, rendered.add_special, check=False)
+            first = rendered.ids or tok.text_ids(rendered.text, rendered.add_special, check=False, limit=limit)
             lengths = [len(first)]
         elif kind == "chat":
-            first = tok.chat_ids(body)
+            first = tok.chat_ids(body, limit)
             lengths = [len(first)]
         else:
-            prompts = tok.completion_ids(body)
+            prompts = tok.completion_ids(body, limit)
             first = prompts[0] if prompts else []
             lengths = [len(p) for p in prompts]
     except UnsupportedPrompt:
         raise
+    except TooLong as e:
+        if rt.max_model_len is None or body.get("truncate_prompt_tokens") is not None:
+            raise UnsupportedPrompt(str(e)) from e
+        raise PromptTooLong(str(e)) from e
     except TokenizeError as e:
         raise BadRequest(str(e)) from e
     t1 = time.perf_counter()

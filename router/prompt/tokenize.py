@@ -31,6 +31,7 @@ from router.prompt.chat_render import (
     normalize_tools,
 )
 from router.prompt.chat_template import ChatTemplate
+from router.prompt.length import LengthFloor
 from router.prompt.prompt_fields import (
     EMPTY_PROMPT,
     TokenizeError,
@@ -41,6 +42,16 @@ from router.prompt.prompt_fields import (
 )
 from router.prompt.segments import DEFAULT_SEGMENT_CACHE_TOKENS, Scan, SegmentTokenizer
 
+
+class TooLong(TokenizeError):
+    """A prompt with at least ``tokens`` tokens, found before tokenizing all of it
+    (:mod:`router.prompt.length`), against a limit of ``limit``."""
+
+    def __init__(self, limit: int, tokens: int) -> None:
+        super().__init__(f"This model's maximum context length is {limit} tokens. However, your prompt has at "
+                         f"least {tokens} tokens. Please reduce the length of the prompt.")
+        self.limit = limit
+        self.tokens = tokens
 
 
 class PromptTokenizer:
@@ -67,6 +78,7 @@ class PromptTokenizer:
         )
         self._templates: dict[str, ChatTemplate] = {}
         self._special_prefix, self._special_suffix = self._special_wrapping()
+        self.length = LengthFloor(hf_tokenizer, self.segments.cut_outside_added)
 
     @classmethod
     def load(cls, path_or_hub_id: str, **kwargs: Any) -> PromptTokenizer:
@@ -112,11 +124,15 @@ class PromptTokenizer:
 
     # -- plain text -------------------------------------------------------------
 
-    def encode(self, text: str, add_special_tokens: bool = False, *, check: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False, *, check: bool = True, limit: int | None = None) -> list[int]:
         """``tokenizer.encode(text, add_special_tokens=...)``, through the segment cache.
 
         ``check=False`` skips the sampled full-tokenization check here; a caller on the
-        event loop runs :meth:`check_prompt` elsewhere when :meth:`wants_check` says so."""
+        event loop runs :meth:`check_prompt` elsewhere when :meth:`wants_check` says so.
+        With ``limit``, a text found to have at least that many tokens before it is
+        tokenized whole raises :class:`TooLong`."""
+        if limit is not None and (floor := self.length.at_least(text, limit)) is not None:
+            raise TooLong(limit, floor)
         if not self.segment_enabled or (add_special_tokens and self._special_prefix is None):
             return self.encode_full(text, add_special_tokens)
         ids = self.segments.encode(text)
@@ -219,9 +235,9 @@ class PromptTokenizer:
             n += len(self._special_prefix)  # type: ignore[arg-type]
         return n, chars
 
-    def text_ids(self, text: str, add_special: bool, *, check: bool = True) -> list[int]:
+    def text_ids(self, text: str, add_special: bool, *, check: bool = True, limit: int | None = None) -> list[int]:
         """The ids of a prompt :meth:`prompt_text` returned (an empty prompt is an error)."""
-        return self._truncate(self.encode(text, add_special, check=check), None, add_special)
+        return self._truncate(self.encode(text, add_special, check=check, limit=limit), None, add_special)
 
     def wants_check(self) -> bool:
         """Whether this request is one of the sampled segment-path checks."""
@@ -233,15 +249,15 @@ class PromptTokenizer:
             ids = ids[len(self._special_prefix) : len(ids) - len(self._special_suffix)]
         self.segments.check(text, ids)
 
-    def chat_ids(self, body: dict[str, Any]) -> list[int]:
-        """Exact prompt ids vLLM 0.33 uses for a ``/v1/chat/completions`` body."""
+    def chat_ids(self, body: dict[str, Any], limit: int | None = None) -> list[int]:
+        """Exact prompt ids vLLM 0.33 uses for a ``/v1/chat/completions`` body (``limit``: see :meth:`encode`)."""
         text = self.render_chat(body)
         add_special = bool_field(body, "add_special_tokens", False)
-        ids = self.encode(text, add_special)
+        ids = self.encode(text, add_special, limit=limit)
         return self._truncate(ids, body.get("truncate_prompt_tokens"), add_special)
 
-    def completion_ids(self, body: dict[str, Any]) -> list[list[int]]:
-        """One id list per prompt of a ``/v1/completions`` body (route on the first)."""
+    def completion_ids(self, body: dict[str, Any], limit: int | None = None) -> list[list[int]]:
+        """One id list per prompt of a ``/v1/completions`` body (route on the first; ``limit``: see :meth:`encode`)."""
         if not isinstance(body, dict):
             raise TokenizeError("request body must be a JSON object")
         if body.get("prompt_embeds") is not None:
@@ -251,7 +267,7 @@ class PromptTokenizer:
         out: list[list[int]] = []
         for prompt in completion_prompts(body.get("prompt")):
             if isinstance(prompt, str):
-                ids = self.encode(prompt, add_special)
+                ids = self.encode(prompt, add_special, limit=limit)
                 out.append(self._truncate(ids, truncate, add_special))
             else:
                 out.append(self._truncate(prompt, truncate, False))
