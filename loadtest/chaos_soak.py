@@ -21,7 +21,7 @@ default bound's cost, ~9 MB) are measured by tests/test_router_hash_cache.py. Wh
 fills only after the warm-up, the slopes are also fitted from the sample where it is
 full (``slopes_after_fill``), and both are printed.
 
-A burst (an engine ejected and its index entries purged and replayed, requests piling up
+A burst (an engine ejected and re-admitted, requests piling up
 while the shared machine stalls) raises resident memory in one step: the allocator keeps
 pages it got for the burst's peak. A least-squares line through such a step reads as a
 trend. So the router's RSS is also fitted *between* steps (:func:`rss_steps`: a rise of
@@ -92,7 +92,8 @@ class SoakOptions:
     workload: MixedSpec = field(default_factory=chaos_spec)
     eject_every_s: float | None = None
     """Force an ejection this often (the engines in turn paused with SIGSTOP for
-    ``eject_pause_s``): what each ejection, purge and re-sync costs shows in the fits.
+    ``eject_pause_s``): what each ejection and re-admission costs shows in the fits (a
+    check that only timed out keeps the engine's index entries: a paused engine keeps its cache).
     None: no fault, the plain soak."""
     eject_pause_s: float = 8.0
 

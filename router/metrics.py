@@ -200,6 +200,13 @@ class RouterMetrics:
             "Times a worker of serve --workers found the health leader (worker 0) silent and began checking backends itself",
             registry=registry,
         )
+        self.health_checks_discounted = Counter(
+            "kvrouter_health_checks_discounted",
+            "Health checks that timed out while the router's own event loop was stalled (their timer fired "
+            "far past its deadline), so did not count against the backend: each was made again at once",
+            ["backend"],
+            registry=registry,
+        )
         self.queue_depth = Gauge(
             "kvrouter_queue_depth", "Requests waiting in the router's admission queue, by model (router.queue_busy_tokens)",
             ["model"], registry=registry,
@@ -344,6 +351,7 @@ FLEET_LOG_DELAY = _PROCESS.fleet_log_delay
 SEQUENCED = _PROCESS.sequenced
 SEQUENCE_SECONDS = _PROCESS.sequence_seconds
 HEALTH_LEADER_GONE = _PROCESS.health_leader_gone
+HEALTH_CHECKS_DISCOUNTED = _PROCESS.health_checks_discounted
 QUEUE_DEPTH = _PROCESS.queue_depth
 QUEUE_WAIT = _PROCESS.queue_wait
 QUEUE_OUTCOMES = _PROCESS.queue_outcomes

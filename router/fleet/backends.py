@@ -26,6 +26,17 @@ dead peer does not always reset its connections). Those in-flight requests are a
 at once (:meth:`BackendState.abort_in_flight`) instead of waiting for the read timeout;
 they answer 502, or end their stream with an error event.
 
+What an ejection says about the engine's KV cache depends on why: a refused connection
+(the process is gone) or a failing answer (``/health`` other than 200: the engine core is
+dead) presumes it gone, and the index forgets the backend (``on_down``); a check that only
+timed out (the engine is slow or hung, e.g. SIGSTOP) ejects it but leaves the index alone,
+since the cache is still there when it answers again. A timeout is also only the engine's
+fault if the router's own event loop was not what made it late: a check whose timeout
+fired far past its deadline (:func:`stall_slack`) was in flight while the loop was blocked
+(a request's work on it, the process stopped), and its answer may have been waiting in the
+socket all along. Such a check is discounted
+(``kvrouter_health_checks_discounted_total``) and made again at once.
+
 Each backend owns one pooled keep-alive ``aiohttp.ClientSession`` (HTTP/1.1, connection
 limit sized for streaming concurrency), and it carries all of the router's traffic to
 that engine: proxied requests, health checks, ``/metrics`` scrapes, ``/v1/models``,
@@ -70,6 +81,8 @@ class PollError:
 
     error: str
     refused: bool
+    timed_out: bool = False
+    """No answer within the timeout: the engine may be slow or hung, or the router's loop late."""
 
 
 class BackendState:
@@ -83,8 +96,12 @@ class BackendState:
         self.session: aiohttp.ClientSession | None = None
         self.health_ok = True
         self.on_down: Callable[[str], None] | None = None
-        """Called with the name when a routable backend is ejected, by a health check or by
-        the proxy (its cache is presumed gone: :meth:`BackendPool.health_forever` sets it)."""
+        """Called with the name when an ejection presumes the backend's cache gone (a refused
+        connection, seen by a health check or by the proxy, or a failing ``/health`` answer; not
+        a timeout alone): :meth:`BackendPool.health_forever` sets it."""
+        self.forgotten = False
+        """``on_down`` has been called since the backend was last admitted. A backend ejected by a
+        timeout is not forgotten yet, so a refusal or failing answer that follows still purges it."""
         self.consecutive_failures = 0
         self.circuit_open_until = 0.0
         self.cooldown_s = settings.breaker_cooldown_s
@@ -130,7 +147,7 @@ class BackendState:
         except aiohttp.ClientConnectorError as e:
             return PollError(repr(e), refused=True), b""
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-            return PollError(repr(e), refused=False), b""
+            return PollError(repr(e), refused=False, timed_out=isinstance(e, asyncio.TimeoutError)), b""
 
     @property
     def routable(self) -> bool:
@@ -155,9 +172,12 @@ class BackendState:
             self.cooldown_s = min(MAX_COOLDOWN_S, self.cooldown_s * 2)
             self.consecutive_failures = 0
 
-    def eject(self, reason: str, *, refused: bool = False, publish: bool = True) -> None:
+    def eject(self, reason: str, *, refused: bool = False, timed_out: bool = False, publish: bool = True) -> None:
+        """Stop routing to the backend; unless only a timeout says so (``timed_out``: the engine is
+        slow or hung and keeps its cache), presume its cache gone and call ``on_down``, once until
+        it is re-admitted."""
         if publish and self.fleet is not None:
-            self.fleet.append(Verdict(self.name, False, refused), to_fleet=False)
+            self.fleet.append(Verdict(self.name, False, refused, timed_out), to_fleet=False)
         was_ok = self.health_ok
         if was_ok:
             self.ejections += 1
@@ -166,8 +186,10 @@ class BackendState:
         self.last_error = reason
         if refused:
             self.abort_in_flight()
-        if was_ok and self.on_down is not None:
-            self.on_down(self.name)
+        if not timed_out and not self.forgotten:
+            self.forgotten = True
+            if self.on_down is not None:
+                self.on_down(self.name)
 
     def abort_in_flight(self, *, shutting_down: bool = False) -> int:
         """End every exchange waiting on this backend (it died, or the router's drain
@@ -183,6 +205,7 @@ class BackendState:
                 self.fleet.append(Verdict(self.name, True), to_fleet=False)
             log.info("backend %s re-admitted", self.name)
         self.health_ok = True
+        self.forgotten = False
 
     def follow(self, v: Verdict) -> None:
         """Another worker's verdict, folded from the log."""
@@ -190,7 +213,7 @@ class BackendState:
             self.admit(publish=False)
         else:
             self.eject("ejected by the shared health verdict" + (" (connection refused)" if v.refused else ""),
-                       refused=v.refused, publish=False)
+                       refused=v.refused, timed_out=v.timed_out, publish=False)
 
     def describe(self) -> dict[str, object]:
         return {
@@ -214,6 +237,20 @@ def health_timeout(interval_s: float) -> float:
     2 s default, more once scheduling delays add up). The 1 s floor keeps a loaded engine's
     slow answer from ejecting it under the short intervals tests use."""
     return min(5.0, max(1.0, 0.75 * interval_s))
+
+
+def stall_slack(timeout_s: float) -> float:
+    """How far past its deadline a health check may time out and still count against the engine.
+
+    A timer fires late by however long the event loop takes to come back to it: milliseconds on
+    a busy but healthy loop, whose callbacks are all short (long prompts are tokenized off it).
+    A check that timed out later than this was in flight while the loop itself was
+    blocked, and says nothing about the engine: its answer may have sat in the socket while the
+    timer waited (a request that blocked the loop for 2.5-5 s once ejected every backend so).
+    Half the timeout, and at least 0.25 s, is far above a healthy loop's lateness even on
+    contended cores, so a hung engine is not given a second chance (one more timeout before its
+    ejection) by scheduling noise alone."""
+    return max(0.25, 0.5 * timeout_s)
 
 
 class BackendPool:
@@ -270,8 +307,9 @@ class BackendPool:
         await asyncio.gather(*(self._check(b) for b in self.backends.values()))
 
     async def health_forever(self, on_down: Callable[[str], None]) -> None:
-        """Check every backend each ``health_interval_s``; ``on_down(name)`` whenever a healthy
-        backend is ejected (its cache is presumed gone).
+        """Check every backend each ``health_interval_s``; ``on_down(name)`` whenever an ejection
+        presumes a backend's cache gone: a refused connection or a failing answer, not a check
+        that only timed out (a hung engine keeps its cache; see :meth:`BackendState.eject`).
 
         Also when the proxy ejects it (a refused connection: the process died): the health
         loop used to see only the failures of its own checks, so an engine that restarted
@@ -346,15 +384,30 @@ class BackendPool:
             await b.session.close()
 
     async def _check(self, b: BackendState) -> None:
+        """One health verdict on ``b``. A check that timed out while the router's loop was stalled
+        is discounted and made again at once; if that one is stalled too, there is no verdict
+        until the next interval (a router whose loop keeps stalling must not eject engines for it)."""
         if b.retired:
             return
-        status, _ = await b.poll("/health", health_timeout(self.settings.health_interval_s))
+        timeout_s = health_timeout(self.settings.health_interval_s)
+        for _ in range(2):
+            started = time.monotonic()
+            status, _ = await b.poll("/health", timeout_s)
+            late_s = time.monotonic() - started - timeout_s
+            if not (isinstance(status, PollError) and status.timed_out and late_s > stall_slack(timeout_s)):
+                break
+            metrics.HEALTH_CHECKS_DISCOUNTED.labels(b.name).inc()
+            log.warning("health check of %s discounted: it timed out %.2fs past its %.2fs deadline, so the "
+                        "router's event loop was stalled, not the engine slow", b.name, late_s, timeout_s)
+        else:
+            return
         if status == 200:
             b.admit()
         elif isinstance(status, int):
             b.eject(f"health check answered {status}")
         else:
-            b.eject(f"health check {'refused' if status.refused else 'failed'}: {status.error}", refused=status.refused)
+            b.eject(f"health check {'refused' if status.refused else 'failed'}: {status.error}", refused=status.refused,
+                    timed_out=status.timed_out)
 
     async def aclose(self) -> None:
         await asyncio.gather(*(b.session.close() for b in self.backends.values() if b.session is not None))

@@ -63,6 +63,8 @@ class Verdict(msgspec.Struct, tag=6, array_like=True):
     backend: str
     healthy: bool
     refused: bool = False
+    timed_out: bool = False
+    """Ejected by a check that only timed out: the engine keeps its cache, so no worker purges it."""
 
 
 class Scraped(msgspec.Struct, tag=7, array_like=True):
