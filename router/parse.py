@@ -8,13 +8,15 @@ in the path.
 
 from __future__ import annotations
 
+import asyncio
+import json
 from typing import Any
 
 import msgspec
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from router.http.errors import BadRequest, BodyTooLarge
+from router.http.errors import BadRequest, BodyTooLarge, ClientClosed
 
 _decoder = msgspec.json.Decoder()
 _encoder = msgspec.json.Encoder()
@@ -25,6 +27,13 @@ async def read_body(request: Request, limit: int) -> bytes:
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
         raise BodyTooLarge(f"request body of {length} bytes is over the {limit}-byte limit")
+    try:
+        return await _read(request, length, limit)
+    except ClientDisconnect:
+        raise ClientClosed("the client closed the connection before its request body was complete") from None
+
+
+async def _read(request: Request, length: str | None, limit: int) -> bytes:
     if length is not None:
         body = await request.body()
     else:
@@ -39,6 +48,51 @@ async def read_body(request: Request, limit: int) -> bytes:
     if len(body) > limit:
         raise BodyTooLarge(f"request body of {len(body)} bytes is over the {limit}-byte limit")
     return body
+
+
+INLINE_DUPLICATE_CHECK_BYTES = 1 << 20
+"""Bodies up to this size are checked for repeated keys on the event loop (~3 ms a MiB);
+longer ones in a thread, so a huge body cannot stall the loop with it."""
+
+
+async def parse_body(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object whose top-level keys are all distinct.
+
+    msgspec, like vLLM's parser, keeps the last of a repeated key while the router forwards
+    the raw bytes: a client's second ``cache_salt`` would override the first, which a
+    gateway in front may have set. A repeated key is therefore a 400."""
+    body = parse_json(raw)
+    if len(raw) <= INLINE_DUPLICATE_CHECK_BYTES:
+        repeated = repeated_key(raw)
+    else:
+        repeated = await asyncio.to_thread(repeated_key, raw)
+    if repeated is not None:
+        raise BadRequest(f"the request body repeats the key {repeated!r}", code="duplicate_key")
+    return body
+
+
+def repeated_key(raw: bytes) -> str | None:
+    """The first top-level key ``raw`` (a JSON object) repeats, or None.
+
+    Written with the standard library's parser because msgspec keeps no duplicates to look
+    at; its ``object_pairs_hook`` sees every object's pairs, innermost first, so the last
+    call is the top level's (the nested objects' repeats are the engine's business)."""
+    last: list[tuple[str, Any]] = []
+
+    def pairs(items: list[tuple[str, Any]]) -> None:
+        nonlocal last
+        last = items
+
+    try:
+        json.loads(raw, object_pairs_hook=pairs)
+    except (ValueError, RecursionError):
+        return None  # msgspec accepted it; never refuse on this parser's stricter view
+    seen: set[str] = set()
+    for key, _ in last:
+        if key in seen:
+            return key
+        seen.add(key)
+    return None
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:

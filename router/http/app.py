@@ -29,7 +29,7 @@ from kvconfig import Config
 from router.core import Router
 from router.http.dispatch import Endpoints
 from router.http.errors import ShuttingDown, UnknownModel
-from router.parse import json_response, parse_json, read_body
+from router.parse import json_response, parse_body, read_body
 from router.http.proxy import ProxyResponse, Upstream, forwarded_headers
 from router.tuning import Tuning
 
@@ -94,7 +94,7 @@ class Handlers:
         raw = await read_body(request, self.settings.max_body_bytes)
         received = time.perf_counter()
         metrics.BODY_SECONDS.observe(received - t0)
-        return raw, parse_json(raw), received
+        return raw, await parse_body(raw), received
 
     def upstream_headers(self, request: Request) -> tuple[dict[str, str], str | None]:
         """What the engines get of the request's headers, and the client's Authorization

@@ -27,7 +27,7 @@ from pydantic import SecretStr
 
 from kvconfig import bearer_matches
 from kvconfig import RouterSettings
-from router.http.errors import Forbidden, Unauthorized
+from router.http.errors import BadRequest, Forbidden, Unauthorized
 
 
 def _secret(key: SecretStr | None) -> bytes | None:
@@ -36,6 +36,14 @@ def _secret(key: SecretStr | None) -> bytes | None:
 
 def _matches(headers: Mapping[str, str], key: bytes) -> bool:
     return bearer_matches(headers.get("authorization"), key)
+
+
+def _one_authorization(headers: Mapping[str, str]) -> None:
+    """Refuse a request with two ``Authorization`` headers: the router would judge the first
+    while a server behind it may read the last."""
+    getlist = getattr(headers, "getlist", None)
+    if getlist is not None and len(getlist("authorization")) > 1:
+        raise BadRequest("the request has more than one Authorization header", code="duplicate_header")
 
 
 class Access:
@@ -51,11 +59,13 @@ class Access:
 
     def client(self, headers: Mapping[str, str]) -> None:
         """Raise :class:`Unauthorized` unless the OpenAI endpoints are open to this request."""
+        _one_authorization(headers)
         if self._client is not None and not _matches(headers, self._client):
             raise Unauthorized("Incorrect API key provided.")
 
     def admin(self, headers: Mapping[str, str]) -> None:
         """Raise unless ``/debug/*`` is open to this request."""
+        _one_authorization(headers)
         if self._admin is not None:
             if not _matches(headers, self._admin):
                 raise Unauthorized("Incorrect admin API key provided.")

@@ -43,6 +43,7 @@ the backend as configured; addresses and exception details go to the log.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -56,6 +57,8 @@ from router.attempt import BACKEND_DOWN, SHUTTING_DOWN, Attempt, Attempts
 from router.fleet.backends import BackendPool
 from router.http.errors import RouterError, ShuttingDown, UpstreamError, UpstreamTimeout, error_body, error_response
 from router.fleet.load import LoadTracker
+
+log = logging.getLogger(__name__)
 
 FORWARDED_REQUEST_HEADERS = ("content-type", "accept", "x-request-id", "traceparent", "user-agent")
 RELAYED_RESPONSE_HEADERS = frozenset((b"content-type", b"x-request-id", b"cache-control"))
@@ -409,6 +412,14 @@ class ProxyResponse(Response):
         attempt.first_byte()
         status = upstream.status
         attempt.answered(status)
+        if status >= 500:
+            # An engine's 5xx body can name internal hosts, paths or credentials (a Redis URL
+            # with its password came through once): the client gets the status and a generic
+            # error, the log gets the body.
+            log.warning("backend %s answered %d: %r", name, status, body[:2000])
+            body = error_body(f"backend {name} answered {status}", "server_error", "upstream_error")
+            headers = [(k, v) for k, v in headers if k.lower() != b"content-type"]
+            headers.append((b"content-type", b"application/json"))
         headers.append((b"content-length", str(len(body)).encode()))
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body, "more_body": False})

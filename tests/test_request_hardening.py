@@ -1,0 +1,132 @@
+"""What a client can send, and what an engine can answer, that the router must not pass on as is.
+
+A real ``kvrouter serve`` with a client key in front of :class:`LeakyEngine`, whose 5xx
+answers name internal hosts and a password:
+
+- a client that hangs up in the middle of its body is a 499 (``client_closed_request``),
+  counted, with no traceback and nothing at ERROR in the log;
+- an engine's 5xx body stays in the router's log; the client gets the status and a
+  generic OpenAI error (a 4xx body is the client's business and is relayed);
+- two ``Authorization`` headers, or a body that repeats a top-level key (a second
+  ``cache_salt`` after one a gateway set), are a 400.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import time
+import uuid
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from aiohttp import web
+
+from support import QWEN3_DIR, LoopbackEngine, RouterProc, openai_error
+
+pytestmark = pytest.mark.slow
+
+MODEL = "m"
+KEY = "sk-client-" + uuid.uuid4().hex
+SECRET = b"redis://:hunter2@10.1.2.3:6379/0 at internal-host.corp"
+
+
+class LeakyEngine(LoopbackEngine):
+    """A completion whose prompt is ``"500"`` (or ``"400"``) gets that status and a body
+    with secrets in it; any other gets a small answer."""
+
+    async def _answer(self, request: web.Request) -> web.Response:
+        body = json.loads(await request.read())
+        prompt = body.get("prompt")
+        if prompt in ("500", "503", "400"):
+            return web.Response(status=int(prompt), body=b'{"detail": "' + SECRET + b'"}', content_type="application/json")
+        return web.json_response({"id": "x", "object": "text_completion", "choices": [{"index": 0, "text": "ok"}]})
+
+    def routes(self, app: web.Application) -> None:
+        app.router.add_post("/v1/completions", self._answer)
+
+
+@pytest.fixture(scope="module")
+def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProc]:
+    with LeakyEngine() as engine:
+        config = {
+            "models": [{"name": MODEL, "tokenizer": str(QWEN3_DIR), "block_size": 16,
+                        "backends": [{"name": "only", "url": engine.url}]}],
+            "router": {"api_key": KEY, "retries": 0, "breaker_failures": 1000},
+        }
+        r = RouterProc("router", config, tmp_path_factory.mktemp("requests"), log_level="info")
+        try:
+            yield r
+        finally:
+            r.stop()
+
+
+def auth() -> dict[str, str]:
+    return {"authorization": f"Bearer {KEY}"}
+
+
+def metric(router: RouterProc, name: str, **labels: str) -> float:
+    text = httpx.get(router.url + "/metrics", headers=auth(), timeout=10).text
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    for line in text.splitlines():
+        m = re.match(rf"{name}\{{(.*)\}} (\S+)$", line)
+        if m and ",".join(sorted(m.group(1).split(","))) == want:
+            return float(m.group(2))
+    return 0.0
+
+
+def test_a_client_hanging_up_mid_body_is_a_499_without_a_traceback(router: RouterProc) -> None:
+    before = metric(router, "kvrouter_rejected_requests_total", status="499", code="client_closed_request")
+    host, port = router.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                  + f"authorization: Bearer {KEY}\r\ncontent-length: 100000\r\n\r\n".encode()
+                  + b'{"model": "m", "prompt": "')
+        time.sleep(0.3)
+    deadline = time.monotonic() + 10
+    while metric(router, "kvrouter_rejected_requests_total", status="499", code="client_closed_request") <= before:
+        assert time.monotonic() < deadline, "the hang-up was not counted as a 499"
+        time.sleep(0.1)
+    log = router.log()
+    assert "Traceback" not in log and " ERROR " not in log, log[-3000:]
+
+
+@pytest.mark.parametrize("status", [500, 503])
+def test_an_engines_5xx_body_is_not_relayed(router: RouterProc, status: int) -> None:
+    r = httpx.post(router.url + "/v1/completions", json={"model": MODEL, "prompt": str(status)}, headers=auth(), timeout=30)
+    assert r.status_code == status
+    assert SECRET not in r.content and b"hunter2" not in r.content
+    assert openai_error(r.content)["type"] == "server_error"
+    assert "hunter2" in router.log()  # the operator still sees what the engine said
+
+
+def test_an_engines_4xx_body_is_relayed(router: RouterProc) -> None:
+    r = httpx.post(router.url + "/v1/completions", json={"model": MODEL, "prompt": "400"}, headers=auth(), timeout=30)
+    assert r.status_code == 400 and SECRET in r.content
+
+
+def test_two_authorization_headers_are_a_400(router: RouterProc) -> None:
+    headers = [("authorization", f"Bearer {KEY}"), ("authorization", "Bearer sk-other"), ("content-type", "application/json")]
+    body = json.dumps({"model": MODEL, "prompt": "hi"}).encode()
+    r = httpx.post(router.url + "/v1/completions", content=body, headers=headers, timeout=30)
+    assert r.status_code == 400 and openai_error(r.content)["code"] == "duplicate_header", r.text
+
+
+@pytest.mark.parametrize("body", [
+    b'{"model": "m", "prompt": "hi", "cache_salt": "gateway", "cache_salt": "client"}',
+    b'{"model": "m", "prompt": "hi", "cache_salt": "gateway", "cache\\u005fsalt": "client"}',
+])
+def test_a_repeated_top_level_key_is_a_400(router: RouterProc, body: bytes) -> None:
+    r = httpx.post(router.url + "/v1/completions", content=body, headers={**auth(), "content-type": "application/json"},
+                   timeout=30)
+    assert r.status_code == 400 and openai_error(r.content)["code"] == "duplicate_key", r.text
+    assert "cache_salt" in openai_error(r.content)["message"]
+
+
+def test_a_repeated_nested_key_is_the_engines_business(router: RouterProc) -> None:
+    body = b'{"model": "m", "prompt": "hi", "logit_bias": {"1": 1, "1": 2}}'
+    r = httpx.post(router.url + "/v1/completions", content=body, headers={**auth(), "content-type": "application/json"},
+                   timeout=30)
+    assert r.status_code == 200, r.text
