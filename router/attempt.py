@@ -52,10 +52,11 @@ SHUTTING_DOWN = "shutting_down"
 class Attempt:
     """One try of a request on one backend (see the module docstring)."""
 
-    __slots__ = ("backend", "ticket", "upstream", "finished", "aborted", "_task")
+    __slots__ = ("backend", "ticket", "model", "upstream", "finished", "aborted", "_task")
 
-    def __init__(self, backend: BackendState, ticket: Ticket) -> None:
+    def __init__(self, backend: BackendState, ticket: Ticket, model: str) -> None:
         self.backend = backend
+        self.model = model
         self.ticket = ticket
         self.upstream: aiohttp.ClientResponse | None = None
         """The backend's response, once it answered."""
@@ -110,7 +111,7 @@ class Attempt:
     def answered(self, status: int) -> None:
         """The backend answered ``status`` (and a stream ended whole); a 5xx counts against its health."""
         if status >= 500:
-            self.backend.record_failure(f"answered {status}")
+            self.backend.record_failure(f"answered {status}", answered=self.model)
             metrics.child(metrics.UPSTREAM_FAILURES, self.name, f"status_{status}").inc()
         else:
             self.backend.record_success()
@@ -130,7 +131,7 @@ class Attempt:
 
     def truncated(self, dropped: int) -> None:
         """The backend ended a stream without vLLM's closing ``[DONE]``."""
-        self.backend.record_failure("stream ended without [DONE]")
+        self.backend.record_failure("stream ended without [DONE]", answered=self.model)
         metrics.child(metrics.UPSTREAM_FAILURES, self.name, "truncated").inc()
         log.warning("backend %s: stream ended without [DONE] (%d bytes of an unfinished event dropped)", self.name, dropped)
 
@@ -186,7 +187,7 @@ class Attempts:
         decision went to the replicas' fleet-state log already (:meth:`router.fleet.load.LoadTracker.acquire`)."""
         backend = self.pool.backends[name]
         ticket = self.loads.acquire(name, self.keys, self.prefill.get(name, 0), self.model, announced=announced)
-        attempt = Attempt(backend, ticket)
+        attempt = Attempt(backend, ticket, self.model)
         if self.tried == 0:
             self._first = attempt
         if self.commit is not None:

@@ -207,6 +207,14 @@ class RouterMetrics:
             ["backend"],
             registry=registry,
         )
+        self.breaker_verifications = Counter(
+            "kvrouter_breaker_verifications",
+            "Failure streaks that reached router.breaker_failures with failures the engine answered itself "
+            "(5xx, a stream without [DONE]), by the outcome of the router's own request to it: request_caused "
+            "(it served that one: the circuit stays closed) or backend_failing (the circuit opens)",
+            ["backend", "outcome"],
+            registry=registry,
+        )
         self.queue_depth = Gauge(
             "kvrouter_queue_depth", "Requests waiting in the router's admission queue, by model (router.queue_busy_tokens)",
             ["model"], registry=registry,
@@ -352,6 +360,7 @@ SEQUENCED = _PROCESS.sequenced
 SEQUENCE_SECONDS = _PROCESS.sequence_seconds
 HEALTH_LEADER_GONE = _PROCESS.health_leader_gone
 HEALTH_CHECKS_DISCOUNTED = _PROCESS.health_checks_discounted
+BREAKER_VERIFICATIONS = _PROCESS.breaker_verifications
 QUEUE_DEPTH = _PROCESS.queue_depth
 QUEUE_WAIT = _PROCESS.queue_wait
 QUEUE_OUTCOMES = _PROCESS.queue_outcomes

@@ -8,7 +8,10 @@ answers name internal hosts and a password:
 - an engine's 5xx body stays in the router's log; the client gets the status and a
   generic OpenAI error (a 4xx body is the client's business and is relayed);
 - two ``Authorization`` headers, or a body that repeats a top-level key (a second
-  ``cache_salt`` after one a gateway set), are a 400.
+  ``cache_salt`` after one a gateway set), are a 400;
+- 5xx answers a client's own requests cause do not open a backend's circuit (the router
+  checks with a request of its own first), while a backend that fails every request
+  still gets its circuit opened.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import socket
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -35,11 +39,18 @@ SECRET = b"redis://:hunter2@10.1.2.3:6379/0 at internal-host.corp"
 
 class LeakyEngine(LoopbackEngine):
     """A completion whose prompt is ``"500"`` (or ``"400"``) gets that status and a body
-    with secrets in it; any other gets a small answer."""
+    with secrets in it, and one that starts with ``boom`` a 500; with ``fail_all`` every
+    request gets a 500; any other gets a small answer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fail_all = False
 
     async def _answer(self, request: web.Request) -> web.Response:
         body = json.loads(await request.read())
         prompt = body.get("prompt")
+        if self.fail_all or (isinstance(prompt, str) and prompt.startswith("boom")):
+            return web.json_response({"error": {"message": "internal", "type": "x", "code": 500}}, status=500)
         if prompt in ("500", "503", "400"):
             return web.Response(status=int(prompt), body=b'{"detail": "' + SECRET + b'"}', content_type="application/json")
         return web.json_response({"id": "x", "object": "text_completion", "choices": [{"index": 0, "text": "ok"}]})
@@ -130,3 +141,38 @@ def test_a_repeated_nested_key_is_the_engines_business(router: RouterProc) -> No
     r = httpx.post(router.url + "/v1/completions", content=body, headers={**auth(), "content-type": "application/json"},
                    timeout=30)
     assert r.status_code == 200, r.text
+
+
+def circuits(router: RouterProc) -> dict[str, bool]:
+    backends = httpx.get(router.url + "/debug/backends", headers=auth(), timeout=10).json()["backends"]
+    return {b["name"]: b["circuit_open"] for b in backends}
+
+
+def test_request_caused_500s_do_not_open_a_circuit_but_a_failing_backend_still_does(tmp_path: Path) -> None:
+    with LeakyEngine() as engine:
+        config = {
+            "models": [{"name": MODEL, "tokenizer": str(QWEN3_DIR), "block_size": 16,
+                        "backends": [{"name": "a", "url": engine.url}, {"name": "b", "url": engine.url}]}],
+            "router": {"retries": 0, "breaker_failures": 3, "breaker_cooldown_s": 30, "policy": "round_robin"},
+        }
+        router = RouterProc("breaker", config, tmp_path, log_level="info")
+        try:
+            for i in range(12):
+                r = httpx.post(router.url + "/v1/completions", json={"model": MODEL, "prompt": f"boom {i}"}, timeout=30)
+                assert r.status_code == 500
+            time.sleep(0.5)  # the router's own requests to each engine
+            assert circuits(router) == {"a": False, "b": False}
+            assert metric(router, "kvrouter_breaker_verifications_total", backend="a", outcome="request_caused") >= 1
+            ok = [httpx.post(router.url + "/v1/completions", json={"model": MODEL, "prompt": f"fine {i}"}, timeout=30)
+                  for i in range(4)]
+            assert [r.status_code for r in ok] == [200] * 4
+            assert httpx.get(router.url + "/health", timeout=10).status_code == 200
+
+            engine.fail_all = True
+            deadline = time.monotonic() + 20
+            while circuits(router) != {"a": True, "b": True}:
+                assert time.monotonic() < deadline, circuits(router)
+                httpx.post(router.url + "/v1/completions", json={"model": MODEL, "prompt": "anything"}, timeout=30)
+            assert metric(router, "kvrouter_breaker_verifications_total", backend="b", outcome="backend_failing") >= 1
+        finally:
+            router.stop()

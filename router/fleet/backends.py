@@ -11,6 +11,15 @@ open. Two signals feed that:
   for ``breaker_cooldown_s``, doubling on each re-open up to 60 s. After the cooldown
   the circuit is half-open: the next request is a trial and its success closes it.
 
+A failure the engine *answered* (a 5xx, a stream that ended without ``[DONE]``) may be
+the request's own doing: a client can craft requests an engine fails (12 of them once
+opened the circuit on every backend, and ``/health`` answered 503 for up to a minute).
+So a streak with such failures in it does not open the circuit by itself: the router
+first sends the engine a request of its own (:meth:`BackendState.verify`, a one-token
+completion), and opens the circuit only if that fails too
+(``kvrouter_breaker_verifications_total``). Failures without an answer (resets,
+timeouts) open it as before.
+
 With ``serve --workers N`` there is one health decision per backend, not N: worker 0,
 the *leader*, runs the active checks and appends each verdict to the fleet-state log
 (:mod:`router.fleet.log`); the other workers fold it within :data:`FOLLOW_S`. A
@@ -103,6 +112,9 @@ class BackendState:
         """``on_down`` has been called since the backend was last admitted. A backend ejected by a
         timeout is not forgotten yet, so a refusal or failing answer that follows still purges it."""
         self.consecutive_failures = 0
+        self.answered_model: str | None = None
+        """The model of the last failure in the streak the engine answered itself, if any."""
+        self._verifying: asyncio.Future[None] | None = None
         self.circuit_open_until = 0.0
         self.cooldown_s = settings.breaker_cooldown_s
         self.ejections = 0
@@ -159,18 +171,54 @@ class BackendState:
 
     def record_success(self) -> None:
         self.consecutive_failures = 0
+        self.answered_model = None
         self.cooldown_s = self.settings.breaker_cooldown_s
 
-    def record_failure(self, reason: str, *, connect_error: bool = False) -> None:
+    def record_failure(self, reason: str, *, connect_error: bool = False, answered: str | None = None) -> None:
+        """One failed exchange; ``answered``: the engine answered it itself (the model asked),
+        so the request may have caused it (see the module docstring)."""
         self.last_error = reason
         self.consecutive_failures += 1
+        if answered is not None:
+            self.answered_model = answered
         if connect_error:
             self.eject(reason, refused=True)
-        if self.consecutive_failures >= self.settings.breaker_failures and not self.circuit_open:
-            self.circuit_open_until = time.monotonic() + self.cooldown_s
-            log.warning("circuit open for %s for %.1fs after %d failures (%s)", self.name, self.cooldown_s, self.consecutive_failures, reason)
-            self.cooldown_s = min(MAX_COOLDOWN_S, self.cooldown_s * 2)
+        if self.consecutive_failures < self.settings.breaker_failures or self.circuit_open:
+            return
+        if self.answered_model is None:
+            self._open(reason)
+        elif self._verifying is None:
+            self._verifying = asyncio.ensure_future(self.verify(self.answered_model, reason))
+
+    def _open(self, reason: str) -> None:
+        self.circuit_open_until = time.monotonic() + self.cooldown_s
+        log.warning("circuit open for %s for %.1fs after %d failures (%s)", self.name, self.cooldown_s, self.consecutive_failures, reason)
+        self.cooldown_s = min(MAX_COOLDOWN_S, self.cooldown_s * 2)
+        self.consecutive_failures = 0
+        self.answered_model = None
+
+    async def verify(self, model: str, reason: str) -> None:
+        """A failure streak with answers from the engine in it: a request of the router's own
+        decides. Served, the failures were the requests' doing and the streak is forgotten;
+        failed too, the circuit opens. The backend stays routable meanwhile."""
+        try:
+            assert self.session is not None
+            body = {"model": model, "prompt": "Hi", "max_tokens": 1}
+            async with self.session.post("/v1/completions", json=body) as r:
+                await r.read()
+                served = r.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            served = False
+        finally:
+            self._verifying = None
+        metrics.child(metrics.BREAKER_VERIFICATIONS, self.name, "request_caused" if served else "backend_failing").inc()
+        if served:
+            log.info("backend %s: %d failures in a row (%s), but it served the router's own request: not opening its circuit",
+                     self.name, self.consecutive_failures, reason)
             self.consecutive_failures = 0
+            self.answered_model = None
+        elif not self.circuit_open:
+            self._open(reason)
 
     def eject(self, reason: str, *, refused: bool = False, timed_out: bool = False, publish: bool = True) -> None:
         """Stop routing to the backend; unless only a timeout says so (``timed_out``: the engine is
