@@ -58,6 +58,7 @@ import logging
 import queue
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -271,7 +272,7 @@ class _Stream:
         self.monitor: zmq.Socket | None = None
         self.dealer: zmq.Socket | None = None
         self.expected: int | None = None
-        self.recent: dict[int, int] = {}
+        self.recent: OrderedDict[int, int] = OrderedDict()  # O(1) oldest-first eviction: a dict's next(iter()) walks the slots its deletions left
         self.replay: _Replay | None = None
         self.last_msg: float | None = None
         self.last_probe: float = time.monotonic()
@@ -772,7 +773,7 @@ class FleetSubscriber:
         st.stats.last_seq = seq
         st.recent[seq] = hash(payload)
         if len(st.recent) > _RECENT_MAX:
-            del st.recent[next(iter(st.recent))]
+            st.recent.popitem(last=False)
         try:
             batch = decode_batch(payload)
         except EventDecodeError as e:

@@ -43,7 +43,7 @@ switch reverses when the engine's hashes match again (the operator fixed the eng
 from __future__ import annotations
 
 import logging
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -113,7 +113,7 @@ class _Sample:
 @dataclass
 class _WorkerState:
     window: deque[bool]
-    held: dict[int, _Held] = field(default_factory=dict)
+    held: OrderedDict[int, _Held] = field(default_factory=OrderedDict)  # O(1) oldest-first eviction: a dict's next(iter()) walks the slots its deletions left
     rehash: bool = False
     diagnosis: str | None = None
     samples: deque[_Sample] = field(default_factory=lambda: deque(maxlen=4))
@@ -322,7 +322,7 @@ class HashVerifier:
         if held is None:
             st.held[key] = _Held(digest, medium)
             if len(st.held) > self._max_tracked:
-                del st.held[next(iter(st.held))]
+                st.held.popitem(last=False)
             return
         if digest is not None:
             held.digest = digest

@@ -34,6 +34,7 @@ answer: the engine tokenizes the request itself.
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -170,7 +171,7 @@ class HistoryMemo:
         self.checks = 0
         self.mismatches = 0
         self._off_until = 0.0
-        self._entries: dict[int, Entry] = {}
+        self._entries: OrderedDict[int, Entry] = OrderedDict()  # O(1) oldest-first eviction: a dict's next(iter()) walks the slots its deletions left
         self._keys = 0
 
     def __len__(self) -> int:
@@ -215,7 +216,7 @@ class HistoryMemo:
         self._entries[key] = entry
         self._keys += len(entry.keys)
         while self._keys > self.max_keys and self._entries:
-            self._keys -= len(self._entries.pop(next(iter(self._entries))).keys)
+            self._keys -= len(self._entries.popitem(last=False)[1].keys)
 
     def check(self, hit: Hit, keys: list[int]) -> bool:
         """Whether a memo-routed request's real keys start with its entry's keys; a
