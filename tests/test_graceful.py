@@ -159,7 +159,7 @@ def write_and_hup(router: RouterProc, tmp_path: Path, config: dict[str, Any] | s
 
 
 def reloads(url: str, outcome: str) -> float:
-    for line in httpx.get(url + "/metrics", timeout=5).text.splitlines():
+    for line in httpx.get(url + "/metrics", headers={"authorization": "Bearer admin-key"}, timeout=5).text.splitlines():
         if line.startswith(f'kvrouter_config_reloads_total{{outcome="{outcome}"}}'):
             return float(line.split()[-1])
     return 0.0
@@ -236,7 +236,7 @@ def test_sighup_adds_then_removes_a_backend_without_dropping_traffic(sim_fleet, 
         assert late and all(b == "sim1" for _, _, b, _ in late), late
         wait_for(lambda: "sim0" not in indexed(router.url), "sim0's entries to leave the index", timeout=10)
         assert indexed(router.url).get("sim1", 0) > 0
-        live = [line for line in httpx.get(router.url + "/metrics", timeout=5).text.splitlines()
+        live = [line for line in httpx.get(router.url + "/metrics", headers={"authorization": "Bearer admin-key"}, timeout=5).text.splitlines()
                 if line.startswith(("kvrouter_backend_", "kvrouter_event_stream_last_seq", "kvrouter_event_stream_blocks"))]
         assert live and not [line for line in live if 'backend="sim0"' in line], "sim0's load and health series remain"
         assert "backend sim0 removed" in router.log()

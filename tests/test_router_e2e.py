@@ -316,7 +316,7 @@ def test_debug_backends_shows_load_and_event_streams(router_url: str) -> None:
 def test_metrics_expose_router_series(router_url: str) -> None:
     # Over a block (16 tokens): a shorter prompt has no block to look up, and no lookup time.
     client(router_url).completions.create(model=MODEL, prompt=unique_text(40), max_tokens=1)
-    text = httpx.get(router_url + "/metrics").text
+    text = httpx.get(router_url + "/metrics", headers={"authorization": f"Bearer {API_KEY}"}).text
     for name in (
         "kvrouter_requests_total", "kvrouter_routing_decisions_total", "kvrouter_matched_blocks_bucket",
         "kvrouter_predicted_hit_ratio_bucket", "kvrouter_tokenize_seconds_bucket", "kvrouter_hash_seconds_bucket",
@@ -718,7 +718,7 @@ def test_load_returns_to_zero_after_chaos(fleet: dict[str, Any], router_url: str
     while (running := engines_running(fleet)) > 0:
         assert time.monotonic() < deadline, f"{running} requests still running on the engines"
         time.sleep(0.2)
-    metrics = httpx.get(router_url + "/metrics").text
+    metrics = httpx.get(router_url + "/metrics", headers={"authorization": f"Bearer {API_KEY}"}).text
     def total(prefix: str) -> float:
         return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith(prefix))
 

@@ -18,6 +18,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from aiohttp import web
 from fastapi import FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import Response
@@ -47,9 +48,12 @@ def create_app(config: Config, index: Index | None = None, tuning: Tuning | None
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await router.start()
+        listener = await metrics_listener(router, handlers) if config.router.metrics_port and router.worker == 0 else None
         try:
             yield
         finally:
+            if listener is not None:
+                await listener.cleanup()
             await router.stop()
 
     app = FastAPI(title="kvrouter", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
@@ -58,6 +62,28 @@ def create_app(config: Config, index: Index | None = None, tuning: Tuning | None
     for (method, path), name in ROUTES.items():
         endpoints.add(method, path, getattr(handlers, name))
     return endpoints
+
+
+async def metrics_listener(router: Router, handlers: Handlers) -> web.AppRunner:
+    """``router.metrics_port``: ``/metrics`` and ``/health`` without keys, on a listener of their
+    own (one per host: worker 0's; the page merges every worker's series). aiohttp serves it
+    in the router's event loop: a second uvicorn server would take over the process's signals."""
+    async def prometheus(_: web.Request) -> web.Response:
+        return web.Response(body=await metrics.exposition(), headers={"content-type": CONTENT_TYPE_LATEST})
+
+    async def health(_: web.Request) -> web.Response:
+        answer = await handlers.health(None)  # type: ignore[arg-type]
+        return web.Response(body=answer.body, status=answer.status_code, content_type="application/json")
+
+    app = web.Application()
+    app.router.add_get("/metrics", prometheus)
+    app.router.add_get("/health", health)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    settings = router.settings
+    await web.TCPSite(runner, settings.host, settings.metrics_port, reuse_address=True).start()
+    log.info("serving /metrics and /health on %s:%d", settings.host, settings.metrics_port)
+    return runner
 
 
 ROUTES = {
@@ -158,7 +184,8 @@ class Handlers:
             return json_response({"status": "ok"})
         return json_response({"status": "unavailable", "reason": "a model has no healthy backend"}, 503)
 
-    async def prometheus(self, _: Request) -> Response:
+    async def prometheus(self, request: Request) -> Response:
+        self.access.admin(request.headers, "/metrics is (use router.metrics_port)")
         return Response(await metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     async def debug_route(self, request: Request) -> Response:

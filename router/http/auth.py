@@ -11,8 +11,10 @@ both                 ``api_key``       ``admin_api_key``
 
 With only a client key, ``/debug/*`` stays closed rather than falling back to that key:
 ``/debug/route`` answers, for any prompt, how many of its blocks each backend holds, so a
-client could learn what other tenants' prompts begin with. ``/health`` and ``/metrics``
-stay open (load balancers and Prometheus scrape them without keys).
+client could learn what other tenants' prompts begin with. ``/metrics`` takes the same
+column: diffing its hit counters around one request tells whether a guessed prompt is
+cached. ``router.metrics_port`` serves it, and ``/health``, without keys on a port of its
+own for Prometheus. ``/health`` stays open (load balancers probe it without keys).
 
 Keys are compared with :func:`hmac.compare_digest` over bytes, so the time taken does not
 depend on how many leading characters of a guess were right.
@@ -63,11 +65,11 @@ class Access:
         if self._client is not None and not _matches(headers, self._client):
             raise Unauthorized("Incorrect API key provided.")
 
-    def admin(self, headers: Mapping[str, str]) -> None:
-        """Raise unless ``/debug/*`` is open to this request."""
+    def admin(self, headers: Mapping[str, str], what: str = "Admin endpoints are") -> None:
+        """Raise unless ``/debug/*`` (and ``/metrics``) is open to this request."""
         _one_authorization(headers)
         if self._admin is not None:
             if not _matches(headers, self._admin):
                 raise Unauthorized("Incorrect admin API key provided.")
         elif self._client is not None:
-            raise Forbidden("Admin endpoints are disabled: the router has no admin_api_key.")
+            raise Forbidden(f"{what} disabled: the router has no admin_api_key.")
