@@ -63,13 +63,13 @@ import json
 import logging
 import os
 import struct
-import time
 from collections.abc import Sequence
 
 import redis
 import redis.asyncio as aredis
 from prometheus_client import Counter
 
+from indexer.breaker import Breaker
 from indexer.events import EventBatch
 from indexer.index import DEFAULT_MEDIUM, Hits, Worker, batch_ops, validate_keys
 
@@ -77,6 +77,8 @@ log = logging.getLogger(__name__)
 
 LOOKUP_TIMEOUT_S = 1.0
 """Longest a lookup waits for Redis (connect or answer) before the request is routed without it."""
+WRITE_TIMEOUT_S = 5.0
+"""Longest a write, or a debug read, waits for Redis: the subscriber re-synchronises after it."""
 LOOKUP_FAILURES = Counter("kvrouter_index_lookup_failures", "Redis index lookups that failed (routed without cache hits)")
 
 __all__ = ["RedisIndex"]
@@ -440,7 +442,7 @@ class RedisIndex:
             raise ValueError("namespace must not contain a newline")
         self._url = url
         self._ns = namespace
-        self._redis = redis.Redis.from_url(url)
+        self._redis = redis.Redis.from_url(url, socket_timeout=WRITE_TIMEOUT_S, socket_connect_timeout=WRITE_TIMEOUT_S)
         self._write_script = self._redis.register_script(_WRITE)
         self._models_seen: set[str] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -449,7 +451,8 @@ class RedisIndex:
         self._epoch: bytes | None = None
         self.lookup_failures = 0
         """Lookups answered with no hits because Redis did not answer (see :meth:`lookup`)."""
-        self._failing_since: float | None = None
+        self._breaker = Breaker()
+        """Lookups fail fast while Redis does not answer (:mod:`indexer.breaker`)."""
 
     def _prefix(self, model: str) -> str:
         return f"{self._ns}:{{{model}}}:"
@@ -504,27 +507,34 @@ class RedisIndex:
         except (struct.error, TypeError):
             blob = _valid_prefix(keys)
         prefix = self._prefix(model)
+        if not self._breaker.allow():
+            return self._missed()
         try:
             flat = await self._lookup_script(keys=[prefix + "reg"], args=[prefix, blob])  # type: ignore[operator]
         except redis.RedisError as e:
-            # Redis down or restarting: route on load alone (every worker misses) rather than
-            # fail the request. Counted (kvrouter_index_lookup_failures_total) and logged once
-            # per outage; a server that hangs costs at most LOOKUP_TIMEOUT_S per request.
-            self.lookup_failures += 1
-            LOOKUP_FAILURES.inc()
-            if self._failing_since is None:
-                self._failing_since = time.monotonic()
+            # Redis down, restarting or frozen: route on load alone (every worker misses) rather
+            # than fail the request. Counted (kvrouter_index_lookup_failures_total) and logged
+            # once per outage; only the breaker's probes pay LOOKUP_TIMEOUT_S.
+            if self._breaker.failed():
                 log.warning("Redis index lookup failed (%s: %s); routing without cache hits until it answers",
                             type(e).__name__, e)
-            return {}
-        if self._failing_since is not None:
-            log.warning("Redis index answers again after %.1fs", time.monotonic() - self._failing_since)
-            self._failing_since = None
+            return self._missed()
+        except BaseException:
+            self._breaker.release()
+            raise
+        down_s = self._breaker.succeeded()
+        if down_s is not None:
+            log.warning("Redis index answers again after %.1fs", down_s)
         hits: Hits = {}
         for i in range(0, len(flat), 3):
             backend, rank = json.loads(flat[i])
             hits.setdefault(Worker(backend, rank), {})[flat[i + 1].decode()] = int(flat[i + 2])
         return hits
+
+    def _missed(self) -> Hits:
+        self.lookup_failures += 1
+        LOOKUP_FAILURES.inc()
+        return {}
 
     def _layout(self, model: str) -> tuple[dict[bytes, int], list[int], list[str]]:
         """``reg`` (worker id -> slot), the draining slots and the media of ``model``."""

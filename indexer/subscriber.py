@@ -86,6 +86,15 @@ __all__ = ["FleetSubscriber", "StreamSpec", "StreamStats", "specs_from_config", 
 log = logging.getLogger(__name__)
 
 _NEVER = float("inf")
+MAX_EVENT_BYTES = 16 << 20
+"""Largest event batch applied; a larger one is skipped as malformed. vLLM's batches are
+kilobytes (a 100k-token prompt stores ~6k blocks, ~0.5 MB with its token ids): only a
+forged publisher sends more, and the index would hold whatever it said."""
+MAX_MESSAGE_BYTES = 256 << 20
+"""ZMQ's own bound (``ZMQ_MAXMSGSIZE``): past it the connection is dropped before the
+message is read, so no single message can take more memory than this."""
+WARN_EVERY_S = 10.0
+"""A stream's malformed messages are logged at most this often (each one is counted)."""
 _RECENT_MAX = 4096
 """Applied batches remembered (seq -> hash of payload) to tell duplicates from restarts."""
 MAX_STALLED_REPLAYS = 3
@@ -283,6 +292,11 @@ class _Stream:
         """A large replay ended while a follow-up replay still held its rest: trim after that one."""
         self.stalled = 0
         """Replays in a row that applied nothing (``MAX_STALLED_REPLAYS``)."""
+        self.warned_at = -_NEVER
+        self.unlogged = 0
+        """Malformed messages counted but not logged since ``warned_at`` (:data:`WARN_EVERY_S`)."""
+        self.index_failing = False
+        """The index refused writes (Redis down): logged once, and once more when it takes them again."""
 
 
 class FleetSubscriber:
@@ -477,6 +491,7 @@ class FleetSubscriber:
         sub.setsockopt(zmq.RECONNECT_IVL, self._reconnect_ivl_ms)
         sub.setsockopt(zmq.RECONNECT_IVL_MAX, self._reconnect_ivl_max_ms)
         sub.setsockopt(zmq.RCVHWM, 100_000)
+        sub.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         sub.setsockopt(zmq.SUBSCRIBE, st.spec.topic.encode())
         st.monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         sub.connect(st.spec.endpoint)
@@ -651,6 +666,7 @@ class FleetSubscriber:
             dealer = self._ctx.socket(zmq.DEALER)
             dealer.setsockopt(zmq.LINGER, 0)
             dealer.setsockopt(zmq.RCVHWM, 0)
+            dealer.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
             dealer.connect(st.spec.replay_endpoint)
             st.dealer = dealer
             self._sockets_changed = True
@@ -774,6 +790,9 @@ class FleetSubscriber:
         st.recent[seq] = hash(payload)
         if len(st.recent) > _RECENT_MAX:
             st.recent.popitem(last=False)
+        if len(payload) > MAX_EVENT_BYTES:
+            self._malformed(st, f"seq {seq}: {len(payload)} bytes, over the {MAX_EVENT_BYTES}-byte bound")
+            return
         try:
             batch = decode_batch(payload)
         except EventDecodeError as e:
@@ -793,11 +812,13 @@ class FleetSubscriber:
             # re-sync (which replays it), so it is skipped like any malformed batch.
             self._malformed(st, f"seq {seq}: the index refused it: {e}")
             return
-        except Exception:
-            log.exception("kv events %s: index write failed at seq %d; re-synchronising", _name(st), seq)
-            self._count(st, "index_errors")
+        except Exception as e:  # noqa: BLE001 - the index's store is down (Redis): re-sync when it answers
+            self._index_failed(st, f"index write failed at seq {seq}; re-synchronising", e)
             st.resync_at = time.monotonic()
             return
+        if st.index_failing:
+            st.index_failing = False
+            log.warning("kv events %s: the index takes writes again", _name(st))
         st.stats.batches += 1
         self._metrics.batches.labels(*st.labels).inc()
         for ev in batch.events:
@@ -829,9 +850,8 @@ class FleetSubscriber:
         try:
             self._index.clear(st.spec.model, st.spec.worker)
             return True
-        except Exception:
-            log.exception("kv events %s: clearing the index failed", _name(st))
-            self._count(st, "index_errors")
+        except Exception as e:  # noqa: BLE001 - as in _apply
+            self._index_failed(st, "clearing the index failed", e)
             st.resync_at = time.monotonic() + 1.0
             return False
 
@@ -886,8 +906,24 @@ class FleetSubscriber:
         self._close_dealer(st)
 
     def _malformed(self, st: _Stream, why: str) -> None:
+        """Count a skipped message; log it unless this stream logged one within
+        :data:`WARN_EVERY_S` (a forged publisher once filled the log with 1,539 lines)."""
         self._count(st, "malformed")
-        log.warning("kv events %s: malformed message skipped: %s", _name(st), why)
+        now = time.monotonic()
+        if now - st.warned_at < WARN_EVERY_S:
+            st.unlogged += 1
+            return
+        more = f" ({st.unlogged} more since the last one logged)" if st.unlogged else ""
+        st.warned_at, st.unlogged = now, 0
+        log.warning("kv events %s: malformed message skipped: %s%s", _name(st), why, more)
+
+    def _index_failed(self, st: _Stream, what: str, e: Exception) -> None:
+        """Counted every time; logged once per outage (Redis down made ~20 tracebacks a second)."""
+        self._count(st, "index_errors")
+        if not st.index_failing:
+            st.index_failing = True
+            log.warning("kv events %s: %s (%s: %s); logged once until the index takes writes again",
+                        _name(st), what, type(e).__name__, e)
 
     def _count(self, st: _Stream, what: str) -> None:
         setattr(st.stats, what, getattr(st.stats, what) + 1)

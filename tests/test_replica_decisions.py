@@ -340,3 +340,23 @@ def test_a_replica_weighs_the_fleets_request_share_as_one_process_does(redis_url
     for b in backends:
         assert replica.of(b) / replica.total == pytest.approx(one.of(b) / one.total)
     assert one.of("a") > 1.2 * one.total / 3  # "a" is over the cap: the test can fail
+
+
+def test_a_malformed_record_drops_itself_not_its_batch() -> None:
+    """One bad record in a replica's batch (a load past any real count, a wrong shape) is
+    dropped alone and counted; the batch's other records, the load every other backend
+    shares, still count."""
+    import msgspec
+
+    from router.fleet.log import Snapshot, decode, encode
+
+    good = Snapshot({"a": (1, 16, 0, 1, 1)})
+    huge = msgspec.msgpack.encode([5, {"b": [1 << 50, 0, 0, 0, 0]}])  # tag 5: a Snapshot
+    short = msgspec.msgpack.encode([5, {"c": [1, 2]}])
+    batch = msgspec.msgpack.encode([msgspec.Raw(msgspec.msgpack.encode(good)), msgspec.Raw(huge), msgspec.Raw(short)])
+    got = decode(batch)
+    assert got is not None
+    records, dropped = got
+    assert records == [good] and dropped == 2
+    assert decode(encode([good])) == ([good], 0)
+    assert decode(b"\xc1 not msgpack") is None

@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING, Annotated, Union
 
 import msgspec
 
@@ -25,7 +25,9 @@ if TYPE_CHECKING:
     from router.policies.shares import Shares
 
 
-Load = tuple[int, int, int, int, int]
+Count = Annotated[int, msgspec.Meta(ge=-(1 << 40), le=1 << 40)]
+"""A load count or its change: bounded, so one forged or corrupt record cannot swamp every sum."""
+Load = tuple[Count, Count, Count, Count, Count]
 """Changes of (in a snapshot: the values of) one backend's in_flight, prefill_tokens,
 decode_seqs, active_blocks and context_blocks."""
 SNAPSHOT_S = 0.25
@@ -82,14 +84,29 @@ Record = Union[Decided, FirstToken, Ended, Settled, Snapshot, Verdict, Scraped]
 
 encode = msgspec.msgpack.Encoder().encode
 _decoder = msgspec.msgpack.Decoder(list[Record])
+_raw_decoder = msgspec.msgpack.Decoder(list[msgspec.Raw])
+_record_decoder = msgspec.msgpack.Decoder(Record)
 
 
-def decode(data: bytes) -> list[Record] | None:
-    """A batch of records, or None when ``data`` is not one (counted by the transport)."""
+def decode(data: bytes) -> tuple[list[Record], int] | None:
+    """A batch's valid records and how many were not (each record stands alone: one that is
+    malformed once stopped every backend's load from being shared), or None when ``data``
+    is not a batch at all. The transport counts what was dropped."""
     try:
-        return _decoder.decode(data)
+        return _decoder.decode(data), 0
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        pass
+    try:
+        raws = _raw_decoder.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError):
         return None
+    records: list[Record] = []
+    for raw in raws:
+        try:
+            records.append(_record_decoder.decode(raw))
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            pass
+    return records, len(raws) - len(records)
 
 
 def _shift(counters: list[int], d: Load | list[int], sign: int = 1) -> None:

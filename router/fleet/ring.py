@@ -123,13 +123,13 @@ class Ring:
             base = self._rings0 + w * self.ring_bytes
             while pos < end:
                 n = int.from_bytes(self._read(base, pos, 4), "little")
-                records = decode(self._read(base, pos + 4, n))
+                got = decode(self._read(base, pos + 4, n))
                 pos += 4 + n
-                if records is None or pos > end:
+                if got is None or pos > end:
                     state.drop(name)
                     pos = end
                     break
-                state.fold(name, records)
+                state.fold(name, got[0])
             self._seen[w] = (generation, pos)
 
     def close(self) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 
 import redis.asyncio as aredis
 
+from indexer.breaker import Breaker
 from router import metrics
 from router.fleet.log import Decided, FleetState, Load, Record, Snapshot, decode, encode
 
@@ -86,6 +87,9 @@ class FleetStream:
         self.cursor = "0-0"  # the last entry folded (the reader and the commits both advance it)
         self.state: FleetState | None = None
         self._failing: set[str] = set()
+        self._order_breaker = Breaker()
+        """Commits fail fast while Redis does not answer (:mod:`indexer.breaker`): a frozen Redis
+        cost every decision the whole :data:`TIMEOUT_S`."""
 
     def append(self, records: list[Record]) -> None:
         kept = [r for r in records if not isinstance(r, Snapshot)]  # a snapshot is built when sent
@@ -142,19 +146,23 @@ class FleetStream:
         name = sender.decode(errors="replace")
         if name.startswith(self.mine) or self.state is None:
             return
-        records = decode(payload)
-        if records is None:
-            metrics.child(metrics.FLEET_LOG_FAILURES, "decode").inc()
+        got = decode(payload)
+        if got is None or got[1]:
+            metrics.child(metrics.FLEET_LOG_FAILURES, "decode").inc(1 if got is None else got[1])
+        if got is None:
             return
         age = max(0.0, time.time() - _id(entry_id)[0] / 1000)
         metrics.FLEET_LOG_DELAY.observe(age)
-        self.state.fold(name, records, age)
+        self.state.fold(name, got[0], age)
 
     async def order(self, record: Callable[[], Decided], again: Callable[[], None]) -> bool:
         """Commit the decision ``record()`` describes, calling ``again`` to decide anew while
         other processes' decisions overtook it; returns whether it was committed (else it
         goes as decided alone, its record queued as usual). One commit at a time: the caller
         sends the request before yielding, so this process's next decision sees this one."""
+        if not self._order_breaker.allow():  # Redis down: go as decided alone, at once
+            metrics.child(metrics.SEQUENCED, "failed").inc()
+            return False
         waited = self._lock.locked()
         t0 = time.perf_counter()
         async with self._lock:
@@ -169,10 +177,15 @@ class FleetStream:
                         encode([r]), 4 * self.ttl_ms]
                 try:
                     out: list[Any] = await asyncio.wait_for(self._script(keys=[self.key], args=args), TIMEOUT_S)
+                except asyncio.CancelledError:
+                    self._order_breaker.release()
+                    raise
                 except Exception as e:  # noqa: BLE001 - Redis down or slow: go as decided alone
                     metrics.child(metrics.SEQUENCED, "failed").inc()
+                    self._order_breaker.failed()
                     self._failed("order", e)
                     return False
+                self._order_breaker.succeeded()
                 self._failed("order", None)
                 for i in range(2, len(out) - 3, 4):  # id, sender, decided flag, records
                     self._fold(out[i].decode(), out[i + 1], out[i + 3])
