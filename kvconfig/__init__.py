@@ -212,6 +212,9 @@ class RouterSettings(_Strict):
     (engines that check each client's own key). Off, engines never see a client's key."""
     max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
     """Largest request body accepted; a larger one gets 413."""
+    max_response_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
+    """Largest non-streamed answer relayed from an engine, which the router holds whole; a larger one
+    is a 502 (``response_too_large``). Streamed answers are relayed as they arrive, whatever their size."""
     request_timeout_s: float = Field(default=600.0, gt=0)
     """Longest silence from an engine, in seconds, before a request to it fails (a read timeout: a stream that
     keeps sending may last longer)."""

@@ -52,6 +52,16 @@ class LeakyEngine(LoopbackEngine):
         prompt = body.get("prompt")
         if self.fail_all or (isinstance(prompt, str) and prompt.startswith("boom")):
             return web.json_response({"error": {"message": "internal", "type": "x", "code": 500}}, status=500)
+        if prompt == "big":
+            return web.Response(body=b'{"x": "' + b"a" * (2 << 20) + b'"}', content_type="application/json")
+        if prompt == "big-chunked":
+            response = web.StreamResponse(headers={"content-type": "application/json"})
+            response.enable_chunked_encoding()
+            await response.prepare(request)
+            for _ in range(8):
+                await response.write(b"a" * (256 << 10))
+            await response.write_eof()
+            return response
         if prompt in ("500", "503", "400"):
             return web.Response(status=int(prompt), body=b'{"detail": "' + SECRET + b'"}', content_type="application/json")
         return web.json_response({"id": "x", "object": "text_completion", "choices": [{"index": 0, "text": "ok"}]})
@@ -66,7 +76,8 @@ def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProc]:
         config = {
             "models": [{"name": MODEL, "tokenizer": str(QWEN3_DIR), "block_size": 16,
                         "backends": [{"name": "only", "url": engine.url}]}],
-            "router": {"api_key": KEY, "admin_api_key": ADMIN, "retries": 0, "breaker_failures": 1000},
+            "router": {"api_key": KEY, "admin_api_key": ADMIN, "retries": 0, "breaker_failures": 1000,
+                       "max_response_bytes": 1 << 20},
         }
         r = RouterProc("router", config, tmp_path_factory.mktemp("requests"), log_level="info")
         try:
@@ -117,6 +128,15 @@ def test_an_engines_5xx_body_is_not_relayed(router: RouterProc, status: int) -> 
 def test_an_engines_4xx_body_is_relayed(router: RouterProc) -> None:
     r = httpx.post(router.url + "/v1/completions", json={"model": MODEL, "prompt": "400"}, headers=auth(), timeout=30)
     assert r.status_code == 400 and SECRET in r.content
+
+
+@pytest.mark.parametrize("prompt", ["big", "big-chunked"])
+def test_an_answer_past_max_response_bytes_is_a_502(router: RouterProc, prompt: str) -> None:
+    """Non-streamed answers are held whole: three 200 MB ones once added 738 MB of RSS."""
+    r = httpx.post(router.url + "/v1/completions", json={"model": MODEL, "prompt": prompt}, headers=auth(), timeout=30)
+    assert r.status_code == 502 and openai_error(r.content)["code"] == "response_too_large", r.text[:300]
+    ok = httpx.post(router.url + "/v1/completions", json={"model": MODEL, "prompt": "fine"}, headers=auth(), timeout=30)
+    assert ok.status_code == 200
 
 
 def test_two_authorization_headers_are_a_400(router: RouterProc) -> None:

@@ -401,8 +401,20 @@ class ProxyResponse(Response):
         self, send: Send, attempt: Attempt, upstream: aiohttp.ClientResponse, headers: list[tuple[bytes, bytes]]
     ) -> int:
         name = attempt.name
+        limit = attempt.backend.settings.max_response_bytes
+        if (upstream.content_length or 0) > limit:
+            return await self._too_large(send, attempt, upstream.content_length)
         try:
-            body = await upstream.read()
+            body = await upstream.content.read(limit + 1)
+            if len(body) > limit:
+                return await self._too_large(send, attempt, None)
+            while not upstream.content.at_eof():  # read() returns what one read got; the rest follows
+                more = await upstream.content.read(limit + 1 - len(body))
+                if not more:
+                    break
+                body += more
+                if len(body) > limit:
+                    return await self._too_large(send, attempt, None)
         except _TIMEOUTS as e:
             attempt.failed("timeout", e)
             return await self._answer(send, UpstreamTimeout(f"backend {name} did not finish in time"))
@@ -424,6 +436,15 @@ class ProxyResponse(Response):
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body, "more_body": False})
         return status
+
+    async def _too_large(self, send: Send, attempt: Attempt, size: int | None) -> int:
+        """A non-streamed answer past ``router.max_response_bytes``: 502, the connection dropped."""
+        limit = attempt.backend.settings.max_response_bytes
+        log.warning("backend %s: an answer of %s bytes is over router.max_response_bytes (%d)",
+                    attempt.name, size if size is not None else "more than that many", limit)
+        metrics.child(metrics.UPSTREAM_FAILURES, attempt.name, "too_large").inc()
+        return await self._answer(send, UpstreamError(f"backend {attempt.name} answered more than the router's "
+                                                      f"{limit}-byte limit", code="response_too_large"))
 
     async def _relay_stream(
         self, send: Send, attempt: Attempt, upstream: aiohttp.ClientResponse, headers: list[tuple[bytes, bytes]]
