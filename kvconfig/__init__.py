@@ -212,6 +212,13 @@ class RouterSettings(_Strict):
     (engines that check each client's own key). Off, engines never see a client's key."""
     max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
     """Largest request body accepted; a larger one gets 413."""
+    max_connections: int | None = Field(default=None, ge=1)
+    """Most client connections one router process keeps open; at the limit a new one takes the
+    place of the oldest that has not sent a whole request yet, or is closed. None: what the process's
+    file-descriptor limit allows (raised to its hard limit at start), less 256."""
+    client_timeout_s: float = Field(default=30.0, gt=0)
+    """Longest a client may take to send a request's headers (from the connection's opening), or
+    pause while sending its body; then its connection is closed."""
     max_response_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
     """Largest non-streamed answer relayed from an engine, which the router holds whole; a larger one
     is a 502 (``response_too_large``). Streamed answers are relayed as they arrive, whatever their size."""

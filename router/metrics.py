@@ -207,6 +207,14 @@ class RouterMetrics:
             ["backend"],
             registry=registry,
         )
+        self.connections_refused = Counter(
+            "kvrouter_connections_refused",
+            "Client connections the router closed itself, by reason: limit (router.max_connections, every "
+            "connection serving a request), evicted (the oldest without a whole request head, for a new one), "
+            "header_timeout, body_timeout (router.client_timeout_s), head_too_large (431)",
+            ["reason"],
+            registry=registry,
+        )
         self.breaker_verifications = Counter(
             "kvrouter_breaker_verifications",
             "Failure streaks that reached router.breaker_failures with failures the engine answered itself "
@@ -361,6 +369,7 @@ SEQUENCE_SECONDS = _PROCESS.sequence_seconds
 HEALTH_LEADER_GONE = _PROCESS.health_leader_gone
 HEALTH_CHECKS_DISCOUNTED = _PROCESS.health_checks_discounted
 BREAKER_VERIFICATIONS = _PROCESS.breaker_verifications
+CONNECTIONS_REFUSED = _PROCESS.connections_refused
 QUEUE_DEPTH = _PROCESS.queue_depth
 QUEUE_WAIT = _PROCESS.queue_wait
 QUEUE_OUTCOMES = _PROCESS.queue_outcomes

@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING
 import uvicorn
 
 from router import metrics
+from router.http.guard import Limits, default_max_connections, guarded, raise_fd_limit
 from kvconfig import Config, ConfigError, load_config
 from router.policies import load_plugins, offered
 from router.tuning import Tuning
@@ -252,12 +253,14 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         print(f"{args.config}: {e}", file=sys.stderr)
         return 2
+    fds = raise_fd_limit()
+    limits = Limits(config.router.max_connections or default_max_connections(fds), config.router.client_timeout_s)
     server_config = uvicorn.Config(
         app,
         host=config.router.host,
         port=config.router.port,
         loop="uvloop",
-        http="httptools",
+        http=guarded(limits),
         access_log=False,
         log_level=args.log_level,
         proxy_headers=False,  # nothing reads the client address; skips a header scan per request
