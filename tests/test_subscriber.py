@@ -234,3 +234,18 @@ def test_stop_returns_promptly_with_unreachable_endpoints() -> None:
     t0 = time.monotonic()
     sub.stop()
     assert time.monotonic() - t0 < 2.0 and not sub.running
+
+
+def test_an_oversized_batch_is_skipped_and_counted_and_the_stream_goes_on() -> None:
+    """A forged publisher's batch of 2M keys (17 MiB, well-formed): dropped unread (over
+    MAX_EVENT_BYTES), counted as malformed, and the next batch still applies; the other
+    engine's stream is untouched."""
+    huge = encode_batch(EventBatch(1.0, [BlockStored(list(range(1 << 40, (1 << 40) + 2_000_000)), None, [], 16, None,
+                                                     "GPU")], 0), "0.33.0")
+    with two_engines() as (a, b, index, sub):
+        a.publish(huge)
+        a.publish(stored([7]))
+        b.publish(stored([8]))
+        wait_for(lambda: has(index, 7) and has(index, 8, W1), "the batches after the oversized one applied")
+        assert sub.stats()[W0].malformed == 1 and sub.stats()[W1].malformed == 0
+        assert not has(index, 1 << 40)
