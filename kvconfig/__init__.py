@@ -200,9 +200,10 @@ class RouterSettings(_Strict):
     """The key for ``/debug/*`` and, while ``api_key`` is set, ``/metrics``. Unset while ``api_key`` is
     set, both are closed (403) on the router's port; with neither key set, everything is open (local use)."""
     metrics_port: int | None = Field(default=None, ge=1, le=65535)
-    """Also serve ``/metrics`` and ``/health`` on this port, without keys, for Prometheus and probes
-    (on ``host``: keep it off the clients' network). ``/metrics`` tells what is cached through its
-    hit counters, so with ``api_key`` set the router's own port serves it only with ``admin_api_key``."""
+    """Also serve ``/metrics`` and the probes (``/health``, ``/livez``, ``/readyz``) on this port, without
+    keys, for Prometheus and Kubernetes (on ``host``: keep it off the clients' network). It stays open
+    while the router drains, when the main port is closed. ``/metrics`` tells what is cached through
+    its hit counters, so with ``api_key`` set the router's own port serves it only with ``admin_api_key``."""
     expose_decision_headers: bool = False
     """Add ``x-kvrouter-reason`` to proxied responses. Off by default: a reason such as
     ``cache_hit`` tells any client whether some prefix (maybe another tenant's) is cached.

@@ -61,23 +61,29 @@ def create_app(config: Config, index: Index | None = None, tuning: Tuning | None
     endpoints = Endpoints(app)
     for (method, path), name in ROUTES.items():
         endpoints.add(method, path, getattr(handlers, name))
+    endpoints.add("GET", "/v1/models/{model_id:path}", handlers.model)  # matched by the fallback (a parameter)
     return endpoints
 
 
 async def metrics_listener(router: Router, handlers: Handlers) -> web.AppRunner:
-    """``router.metrics_port``: ``/metrics`` and ``/health`` without keys, on a listener of their
-    own (one per host: worker 0's; the page merges every worker's series). aiohttp serves it
-    in the router's event loop: a second uvicorn server would take over the process's signals."""
+    """``router.metrics_port``: ``/metrics`` and the probes (``/health``, ``/livez``, ``/readyz``)
+    without keys, on a listener of their own (one per host: worker 0's; the page merges every
+    worker's series). It stays open while the router drains, when the main listener is closed,
+    so a probe still gets an answer. aiohttp serves it in the router's event loop: a second
+    uvicorn server would take over the process's signals."""
     async def prometheus(_: web.Request) -> web.Response:
         return web.Response(body=await metrics.exposition(), headers={"content-type": CONTENT_TYPE_LATEST})
 
-    async def health(_: web.Request) -> web.Response:
-        answer = await handlers.health(None)  # type: ignore[arg-type]
-        return web.Response(body=answer.body, status=answer.status_code, content_type="application/json")
+    def probe(handler: Any) -> Any:
+        async def answer(_: web.Request) -> web.Response:
+            got = await handler(None)
+            return web.Response(body=got.body, status=got.status_code, content_type="application/json")
+        return answer
 
     app = web.Application()
     app.router.add_get("/metrics", prometheus)
-    app.router.add_get("/health", health)
+    for path in ("/health", "/livez", "/readyz"):
+        app.router.add_get(path, probe(getattr(handlers, path[1:])))
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     settings = router.settings
@@ -94,6 +100,8 @@ ROUTES = {
     ("POST", "/detokenize"): "detokenize",
     ("GET", "/v1/models"): "models",
     ("GET", "/health"): "health",
+    ("GET", "/livez"): "livez",
+    ("GET", "/readyz"): "readyz",
     ("GET", "/metrics"): "prometheus",
     ("POST", "/debug/route"): "debug_route",
     ("GET", "/debug/index"): "debug_index",
@@ -168,14 +176,35 @@ class Handlers:
 
     async def models(self, request: Request) -> Response:
         self.access.client(request.headers)
-        data = []
+        return json_response({"object": "list", "data": self._model_entries()})
+
+    def _model_entries(self) -> list[dict[str, Any]]:
+        data: list[dict[str, Any]] = []
         for rt in self.router.models:
             data.append({"id": rt.name, "object": "model", "created": 0, "owned_by": "kvrouter", "root": rt.name,
                          "parent": None, "max_model_len": rt.max_model_len})
             for a in rt.config.lora_adapters:
                 data.append({"id": a.name, "object": "model", "created": 0, "owned_by": "kvrouter", "root": a.path,
                              "parent": rt.name, "max_model_len": rt.max_model_len})
-        return json_response({"object": "list", "data": data})
+        return data
+
+    async def model(self, request: Request) -> Response:
+        """``GET /v1/models/{id}``: one entry of :meth:`models` (the openai SDK's ``models.retrieve``)."""
+        self.access.client(request.headers)
+        wanted = request.path_params["model_id"]
+        for entry in self._model_entries():
+            if entry["id"] == wanted:
+                return json_response(entry)
+        raise UnknownModel(f"The model `{wanted}` does not exist.")
+
+    async def livez(self, _: Request) -> Response:
+        """Liveness: the process and its event loop answer (a Kubernetes liveness probe; never
+        503 for the fleet's sake, or a fleet outage would restart every router)."""
+        return json_response({"status": "alive"})
+
+    async def readyz(self, request: Request) -> Response:
+        """Readiness: started, every model has a healthy backend, not draining (what ``/health`` says)."""
+        return await self.health(request)
 
     async def health(self, _: Request) -> Response:
         if self.router.draining:

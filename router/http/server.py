@@ -248,6 +248,10 @@ def run(args: argparse.Namespace) -> int:
     # and it would run deferred tokenization outside the lowered-priority thread.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+    problem = load_tokenizers(config)
+    if problem is not None:
+        print(f"{args.config}: {problem}", file=sys.stderr)
+        return 3
     try:
         app = create_app(config, tuning=tuning)
     except (ValueError, OSError) as e:
@@ -276,6 +280,23 @@ def run(args: argparse.Namespace) -> int:
         server.parent = os.getppid()
         server.run(sockets=[_join_workers(args, config, app.state.router)])
     return 0 if server.started else 3
+
+
+def load_tokenizers(config: Config) -> str | None:
+    """Load every model's local tokenizer before the server starts (the router finds them in
+    the process's cache), or the one line naming the key that did not load: failing inside
+    the server's start-up printed a 98-line traceback that never named it."""
+    from router.prompt.prompt_fields import TokenizeError
+    from router.prompt.tokenize import load_tokenizer
+
+    for i, m in enumerate(config.models):
+        if m.tokenizer_mode != "local":
+            continue
+        try:
+            load_tokenizer(m.tokenizer)
+        except TokenizeError as e:
+            return f"models[{i}].tokenizer ({m.name}): {e}"
+    return None
 
 
 def _join_workers(args: argparse.Namespace, config: Config, router: Router) -> socket.socket:

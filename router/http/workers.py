@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import shutil
 import signal
@@ -78,12 +79,33 @@ RING_FILE = "fleet"
 METRICS_DIR = "metrics"
 
 
-def default_workers() -> int:
-    """The cores this process may run on (its CPU affinity), else the machine's."""
+CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
+
+
+def default_workers(cpu_max: Path = CGROUP_CPU_MAX) -> int:
+    """The cores this process may use: its CPU affinity (else the machine's cores), capped by
+    its cgroup's CPU quota rounded up (``cpu.max``; a pod limited to 2 CPUs on a 96-core node
+    would otherwise fork 96 workers)."""
     try:
-        return len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    quota = cgroup_cpus(cpu_max)
+    return max(1, min(cores, quota)) if quota is not None else cores
+
+
+def cgroup_cpus(cpu_max: Path = CGROUP_CPU_MAX) -> int | None:
+    """The CPUs a cgroup v2 quota allows (``"QUOTA PERIOD"``, rounded up), None without one."""
+    try:
+        quota, period = cpu_max.read_text().split()[:2]
+    except (OSError, ValueError):
+        return None
+    if quota == "max":
+        return None
+    try:
+        return max(1, math.ceil(int(quota) / int(period)))
+    except (ValueError, ZeroDivisionError):
+        return None
 
 
 def worker_count(cli: int | None, config: Config) -> int:

@@ -82,14 +82,29 @@ class PromptTokenizer:
 
     @classmethod
     def load(cls, path_or_hub_id: str, **kwargs: Any) -> PromptTokenizer:
-        """Load from a local directory (offline) or a hub id. Blocking: call off the event loop."""
+        """Load from a local directory (offline) or a hub id: from the local cache, else from the
+        hub once it is known to answer. Blocking: call off the event loop.
+
+        The errors say what was expected in one line: transformers' own end in "Repo id must
+        be in the form 'repo_name'" for a missing directory, and it retries an unreachable hub
+        for ~50 s."""
         from transformers import AutoTokenizer
 
-        local = Path(path_or_hub_id).is_dir()
-        try:
-            hf = AutoTokenizer.from_pretrained(path_or_hub_id, local_files_only=local)
-        except (OSError, ValueError) as e:
-            raise TokenizeError(f"cannot load tokenizer {path_or_hub_id!r}: {e}") from e
+        path = Path(path_or_hub_id).expanduser()
+        if path.is_dir():
+            try:
+                hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+            except (OSError, ValueError) as e:
+                raise TokenizeError(f"{path_or_hub_id!r} is a directory without a loadable tokenizer "
+                                    f"(expected tokenizer.json and tokenizer_config.json): {_first_line(e)}") from e
+        elif path_or_hub_id.startswith(("/", ".", "~")) or path_or_hub_id.count("/") > 1:
+            raise TokenizeError(f"no such directory {path_or_hub_id!r} (expected a tokenizer directory, "
+                                "or a Hugging Face hub id such as Qwen/Qwen3-0.6B)")
+        else:
+            try:
+                hf = AutoTokenizer.from_pretrained(path_or_hub_id, local_files_only=True)
+            except (OSError, ValueError):
+                hf = _from_hub(path_or_hub_id)
         kwargs.setdefault("name", path_or_hub_id)
         return cls(hf, **kwargs)
 
@@ -325,6 +340,32 @@ class PromptTokenizer:
                 if self.encode_full("", True) == [*prefix, *suffix]:
                     return prefix, suffix
         return None, None
+
+
+HUB_PROBE_S = 5.0
+
+
+def _from_hub(hub_id: str) -> Any:
+    """``hub_id`` from the Hugging Face hub, after one quick check that the hub answers."""
+    import os
+    import urllib.request
+
+    from transformers import AutoTokenizer
+
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    try:
+        urllib.request.urlopen(urllib.request.Request(endpoint, method="HEAD"), timeout=HUB_PROBE_S).close()
+    except OSError as e:
+        raise TokenizeError(f"hub id {hub_id!r} is not in the local cache, and {endpoint} did not answer within "
+                            f"{HUB_PROBE_S:g} s ({_first_line(e)}): give a local tokenizer directory") from e
+    try:
+        return AutoTokenizer.from_pretrained(hub_id)
+    except (OSError, ValueError) as e:
+        raise TokenizeError(f"hub id {hub_id!r} did not load from {endpoint}: {_first_line(e)}") from e
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
 
 
 _CACHE: dict[str, PromptTokenizer] = {}
