@@ -3,8 +3,8 @@
 A Redis that hangs (SIGSTOP, a full network buffer) answers nothing until each call's
 timeout, and every request that asks it pays that timeout: a frozen index made every
 request take 1.3 s. After a failure the breaker lets no call through for a back-off,
-doubling on each failed probe (:data:`BACKOFF_S`), then lets exactly one through at a time:
-that probe's success closes it. Callers route without what the call would have told them,
+then exactly one at a time: that probe's success closes it, its failure doubles the
+back-off (:data:`BACKOFF_S`). Callers route without what the call would have told them,
 and count it.
 
 Written here rather than taken from a library: the Python breakers (pybreaker,
@@ -16,13 +16,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Literal
 
 BACKOFF_S = (1.0, 30.0)
 """The first back-off after a failure, and the most it doubles to."""
 
+Pass = Literal["call", "probe"]
+
 
 class Breaker:
-    """``allow()`` before the call, then ``succeeded()`` or ``failed()``; one probe at a time while open."""
+    """``allow()`` before the call; then ``succeeded(p)``, ``failed(p)`` or ``release(p)`` with what it returned."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
@@ -31,34 +34,40 @@ class Breaker:
         self._backoff_s = BACKOFF_S[0]
         self._probing = False
 
-    def allow(self) -> bool:
-        """Whether to make the call now (closed, or the one probe after the back-off)."""
+    def allow(self) -> Pass | None:
+        """``call`` while closed, ``probe`` for the one call after the back-off, None: skip it."""
         if self.failing_since is None:
-            return True
+            return "call"
         if self._probing or self._clock() < self._until:
-            return False
+            return None
         self._probing = True
-        return True
+        return "probe"
 
-    def succeeded(self) -> float | None:
+    def succeeded(self, p: Pass) -> float | None:
         """Close; returns how long it was open (None: it was closed)."""
-        self._probing = False
+        if p == "probe":
+            self._probing = False
         since, self.failing_since = self.failing_since, None
         self._backoff_s = BACKOFF_S[0]
         return None if since is None else self._clock() - since
 
-    def failed(self) -> bool:
-        """Open, or stay open with a doubled back-off; returns whether this opened it."""
-        self._probing = False
-        opened = self.failing_since is None
-        if opened:
-            self.failing_since = self._clock()
-            self._backoff_s = BACKOFF_S[0]
-        else:
+    def failed(self, p: Pass) -> bool:
+        """Open on a call's failure (calls already under way when it opened change nothing);
+        a failed probe doubles the back-off. Returns whether this opened it."""
+        now = self._clock()
+        if p == "probe":
+            self._probing = False
             self._backoff_s = min(BACKOFF_S[1], 2 * self._backoff_s)
-        self._until = self._clock() + self._backoff_s
-        return opened
+            self._until = now + self._backoff_s
+            return False
+        if self.failing_since is not None:
+            return False
+        self.failing_since = now
+        self._backoff_s = BACKOFF_S[0]
+        self._until = now + self._backoff_s
+        return True
 
-    def release(self) -> None:
-        """The call was cancelled before it told anything: let the next one probe."""
-        self._probing = False
+    def release(self, p: Pass) -> None:
+        """The call ended without telling anything (cancelled): the next one may probe."""
+        if p == "probe":
+            self._probing = False

@@ -507,7 +507,8 @@ class RedisIndex:
         except (struct.error, TypeError):
             blob = _valid_prefix(keys)
         prefix = self._prefix(model)
-        if not self._breaker.allow():
+        p = self._breaker.allow()
+        if p is None:
             return self._missed()
         try:
             flat = await self._lookup_script(keys=[prefix + "reg"], args=[prefix, blob])  # type: ignore[operator]
@@ -515,14 +516,14 @@ class RedisIndex:
             # Redis down, restarting or frozen: route on load alone (every worker misses) rather
             # than fail the request. Counted (kvrouter_index_lookup_failures_total) and logged
             # once per outage; only the breaker's probes pay LOOKUP_TIMEOUT_S.
-            if self._breaker.failed():
+            if self._breaker.failed(p):
                 log.warning("Redis index lookup failed (%s: %s); routing without cache hits until it answers",
                             type(e).__name__, e)
             return self._missed()
         except BaseException:
-            self._breaker.release()
+            self._breaker.release(p)
             raise
-        down_s = self._breaker.succeeded()
+        down_s = self._breaker.succeeded(p)
         if down_s is not None:
             log.warning("Redis index answers again after %.1fs", down_s)
         hits: Hits = {}

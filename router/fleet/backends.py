@@ -80,6 +80,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MAX_COOLDOWN_S = 60.0
+VERIFY_TIMEOUT_S = 30.0
+"""Longest the router's own request to an engine that failed a streak may take: a one-token
+completion; past it the engine counts as failing."""
 FOLLOW_S = 0.05
 """How often a worker folds the others' records (health verdicts among them)."""
 
@@ -202,12 +205,14 @@ class BackendState:
         decides. Served, the failures were the requests' doing and the streak is forgotten;
         failed too, the circuit opens. The backend stays routable meanwhile."""
         try:
-            assert self.session is not None
+            if self.session is None or self.session.closed:
+                return
             body = {"model": model, "prompt": "Hi", "max_tokens": 1}
-            async with self.session.post("/v1/completions", json=body) as r:
+            timeout = aiohttp.ClientTimeout(total=VERIFY_TIMEOUT_S)
+            async with self.session.post("/v1/completions", json=body, timeout=timeout) as r:
                 await r.read()
                 served = r.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        except Exception:  # noqa: BLE001 - no answer, a reset, a closed session: it did not serve it
             served = False
         finally:
             self._verifying = None
@@ -458,4 +463,7 @@ class BackendPool:
                     timed_out=status.timed_out)
 
     async def aclose(self) -> None:
+        for b in self.backends.values():
+            if b._verifying is not None:
+                b._verifying.cancel()
         await asyncio.gather(*(b.session.close() for b in self.backends.values() if b.session is not None))

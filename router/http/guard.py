@@ -7,13 +7,13 @@ still open after 70 s, and under ``ulimit -n 1024`` 1,100 silent ones made ``/he
 fail with nothing logged. :func:`guarded` subclasses the protocol with what it lacks:
 
 - **a connection limit** (``router.max_connections``, by default what the process's file
-  descriptors allow). At the limit a new connection takes the place of the oldest one that
-  has not sent a whole request head yet (a silent or slow client); when every connection
-  is serving a request, the new one is closed at once;
+  descriptors allow). At the limit a new connection takes the place of the oldest one
+  without a request under way (silent, slow to send its head, or idle between requests);
+  when every connection is serving a request, the new one is closed at once;
 - **a client timeout** (``router.client_timeout_s``): a request's head must arrive within
-  it of the connection opening (or of its first byte, on a kept-alive connection), and its
-  body may pause no longer than it; past it the connection is closed, and a handler waiting
-  for the body sees the client gone (499);
+  it of the connection opening (or of the previous answer, on a kept-alive connection),
+  and its body may pause no longer than it; past it the connection is closed, and a
+  handler waiting for the body sees the client gone (499);
 - **a head size limit** (:data:`MAX_HEAD_BYTES`): a larger head is answered 431 and closed.
 
 Each refusal is counted in ``kvrouter_connections_refused_total{reason}`` and logged, at
@@ -66,7 +66,9 @@ def raise_fd_limit() -> int:
 
 
 def default_max_connections(fd_limit: int) -> int:
-    return max(64, fd_limit - RESERVED_FDS)
+    """Half the descriptors left after :data:`RESERVED_FDS`: a proxied request holds two, its
+    client's and its engine's (an engine connection that cannot open ejects the backend)."""
+    return max(64, (fd_limit - RESERVED_FDS) // 2)
 
 
 class _Refusals:
@@ -100,6 +102,10 @@ def guarded(limits: Limits) -> type[HttpToolsProtocol]:
             super().__init__(*args, **kwargs)
             self._timer: asyncio.TimerHandle | None = None
             self._head_bytes = 0
+            """Bytes received while a head is incomplete (a line that never ends is bounded too)."""
+            self._parsed = 0
+            """The head's request line and headers, as parsed."""
+            self._in_head = False
             self._refused = False
 
         # -- the connection -----------------------------------------------------------------
@@ -109,7 +115,7 @@ def guarded(limits: Limits) -> type[HttpToolsProtocol]:
                 if waiting:
                     _, oldest = waiting.popitem(last=False)
                     oldest._close("evicted", f"the oldest of {limits.max_connections} connections without a "
-                                  "whole request head made room for a new one (router.max_connections)")
+                                  "request under way made room for a new one (router.max_connections)")
                 else:
                     self._refused = True
                     refusals.count("limit", f"{limits.max_connections} connections serve requests "
@@ -127,54 +133,69 @@ def guarded(limits: Limits) -> type[HttpToolsProtocol]:
             super().connection_lost(exc)
 
         def data_received(self, data: bytes) -> None:
-            if not self._refused:
-                super().data_received(data)
+            """Counts a request head's bytes as they arrive: httptools hands a header over only
+            once its line is complete, so a line that never ends is bounded here."""
+            if self._refused:
+                return
+            if self._in_head:
+                self._head_bytes += len(data)
+            super().data_received(data)
+            if self._in_head and self._head_bytes > MAX_HEAD_BYTES and not self._refused:
+                self._too_large()
 
-        # -- the parser's callbacks -----------------------------------------------------------
+        # -- the parser's and the cycle's callbacks -------------------------------------------
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
-            self._head_bytes = 0
-            if self._timer is None:  # a kept-alive connection's next request: its head from its first byte
-                self._await_head()
+            self._await_head()
+            self._head_bytes = self._parsed = 0
 
         def on_url(self, url: bytes) -> None:
-            if self._grow(len(url)):
-                super().on_url(url)
+            self._parsed += len(url)
+            super().on_url(url)
 
         def on_header(self, name: bytes, value: bytes) -> None:
-            if self._grow(len(name) + len(value) + 4):
-                super().on_header(name, value)
+            self._parsed += len(name) + len(value) + 4
+            super().on_header(name, value)
 
         def on_headers_complete(self) -> None:
             if self._refused:
                 return
+            if self._parsed > MAX_HEAD_BYTES:  # it came whole, in one read
+                self._too_large()
+                return
+            self._in_head = False
             waiting.pop(id(self), None)
-            self._restart(limits.client_timeout_s, "body_timeout")
+            self._restart("body_timeout")
             super().on_headers_complete()
 
         def on_body(self, body: bytes) -> None:
             if not self._refused:
-                self._restart(limits.client_timeout_s, "body_timeout")
+                self._restart("body_timeout")
                 super().on_body(body)
 
         def on_message_complete(self) -> None:
-            if not self._refused:
-                self._cancel()
-                super().on_message_complete()
+            if self._refused:
+                return
+            self._cancel()
+            super().on_message_complete()
+            if self.cycle is not None and self.cycle.response_complete and not self.pipeline:
+                self._await_head()  # answered before its body ended (a 401, a 413): idle now
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing() and not self.pipeline and not (self.cycle and self.cycle.more_body):
+                self._await_head()  # idle until its next request: timed, and first to make room
 
         # -- internals ------------------------------------------------------------------------
 
         def _await_head(self) -> None:
             waiting[id(self)] = self
-            self._restart(limits.client_timeout_s, "header_timeout")
+            waiting.move_to_end(id(self))
+            self._in_head = True
+            self._restart("header_timeout")
 
-        def _grow(self, n: int) -> bool:
-            if self._refused:
-                return False
-            self._head_bytes += n
-            if self._head_bytes <= MAX_HEAD_BYTES:
-                return True
+        def _too_large(self) -> None:
             self._refused = True
             self._cancel()
             waiting.pop(id(self), None)
@@ -183,21 +204,26 @@ def guarded(limits: Limits) -> type[HttpToolsProtocol]:
             self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: text/plain\r\n"
                                  b"connection: close\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
             self.transport.close()
-            return False
 
-        def _restart(self, after_s: float, reason: str) -> None:
+        def _restart(self, reason: str) -> None:
             self._cancel()
-            self._timer = self.loop.call_later(after_s, self._close, reason,
-                                               f"no request head, or no body byte, within {after_s:g} s "
-                                               "(router.client_timeout_s)")
+            self._timer = self.loop.call_later(limits.client_timeout_s, self._expire, reason)
 
         def _cancel(self) -> None:
             if self._timer is not None:
                 self._timer.cancel()
                 self._timer = None
 
-        def _close(self, reason: str, detail: str) -> None:
+        def _expire(self, reason: str) -> None:
             self._timer = None
+            if reason == "body_timeout" and (self.pipeline or (self.flow is not None and self.flow.read_paused)):
+                self._restart(reason)  # the router, not the client, is not reading: wait on
+                return
+            self._close(reason, f"no request head, or no body byte, within {limits.client_timeout_s:g} s "
+                        "(router.client_timeout_s)")
+
+        def _close(self, reason: str, detail: str) -> None:
+            self._cancel()
             waiting.pop(id(self), None)
             if self.transport is not None and not self.transport.is_closing():
                 refusals.count(reason, detail)

@@ -405,16 +405,17 @@ class ProxyResponse(Response):
         if (upstream.content_length or 0) > limit:
             return await self._too_large(send, attempt, upstream.content_length)
         try:
-            body = await upstream.content.read(limit + 1)
-            if len(body) > limit:
-                return await self._too_large(send, attempt, None)
-            while not upstream.content.at_eof():  # read() returns what one read got; the rest follows
-                more = await upstream.content.read(limit + 1 - len(body))
+            parts: list[bytes] = []
+            size = 0
+            while not upstream.content.at_eof():  # each read returns what has arrived
+                more = await upstream.content.read(limit + 1 - size)
                 if not more:
                     break
-                body += more
-                if len(body) > limit:
+                parts.append(more)
+                size += len(more)
+                if size > limit:
                     return await self._too_large(send, attempt, None)
+            body = b"".join(parts)
         except _TIMEOUTS as e:
             attempt.failed("timeout", e)
             return await self._answer(send, UpstreamTimeout(f"backend {name} did not finish in time"))

@@ -43,7 +43,10 @@ class LengthFloor:
     def __init__(self, hf_tokenizer: Any, cut_outside_added: Any) -> None:
         self._backend = getattr(hf_tokenizer, "backend_tokenizer", None)
         self._cut = cut_outside_added
-        self.max_token_bytes = _max_token_bytes(hf_tokenizer)
+        self.max_token_bytes = _max_token_bytes(hf_tokenizer) + 1  # a decoder may strip a byte (a leading space)
+        added = getattr(hf_tokenizer, "added_tokens_decoder", {}) or {}
+        self.by_bytes = not any(getattr(t, "lstrip", False) or getattr(t, "rstrip", False) for t in added.values())
+        """An added token that strips the whitespace around it covers any amount of it: no byte floor then."""
 
     def at_least(self, text: str, limit: int) -> int | None:
         """A floor of at least ``limit`` on ``len(encode(text))``, or None when the text
@@ -52,10 +55,11 @@ class LengthFloor:
             return None  # cheaper to tokenize whole than to bound
         # Normalizing costs as much as tokenizing (1.8 s for 15 MiB): bound what it can do
         # instead. ASCII text is the same length normalized, bar whitespace a normalizer strips.
-        size = len(text.strip()) if text.isascii() else len(text.encode("utf-8", "surrogatepass")) // NORMALIZED_SHRINK
-        by_bytes = size // self.max_token_bytes
-        if by_bytes >= limit:
-            return by_bytes
+        if self.by_bytes:
+            size = len(text.strip()) if text.isascii() else len(text.encode("utf-8", "surrogatepass")) // NORMALIZED_SHRINK
+            by_bytes = size // self.max_token_bytes
+            if by_bytes >= limit:
+                return by_bytes
         if self._backend is None or len(text) <= CHARS_PER_TOKEN * limit:
             return None
         cut = CHARS_PER_TOKEN * (limit + 1)

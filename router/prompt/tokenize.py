@@ -348,6 +348,7 @@ HUB_PROBE_S = 5.0
 def _from_hub(hub_id: str) -> Any:
     """``hub_id`` from the Hugging Face hub, after one quick check that the hub answers."""
     import os
+    import urllib.error
     import urllib.request
 
     from transformers import AutoTokenizer
@@ -355,6 +356,8 @@ def _from_hub(hub_id: str) -> Any:
     endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
     try:
         urllib.request.urlopen(urllib.request.Request(endpoint, method="HEAD"), timeout=HUB_PROBE_S).close()
+    except urllib.error.HTTPError:
+        pass  # it answered (a mirror may refuse HEAD on its root): let the hub client try
     except OSError as e:
         raise TokenizeError(f"hub id {hub_id!r} is not in the local cache, and {endpoint} did not answer within "
                             f"{HUB_PROBE_S:g} s ({_first_line(e)}): give a local tokenizer directory") from e
