@@ -197,13 +197,8 @@ class RouterSettings(_Strict):
     """Clients of the OpenAI endpoints send ``Authorization: Bearer KEY``. It does not open
     ``/debug/*`` (see ``admin_api_key``)."""
     admin_api_key: ApiKey | None = None
-    """The key for ``/debug/*`` and, while ``api_key`` is set, ``/metrics``. Unset while ``api_key`` is
-    set, both are closed (403) on the router's port; with neither key set, everything is open (local use)."""
-    metrics_port: int | None = Field(default=None, ge=1, le=65535)
-    """Also serve ``/metrics`` and the probes (``/health``, ``/livez``, ``/readyz``) on this port, without
-    keys, for Prometheus and Kubernetes (on ``host``: keep it off the clients' network). It stays open
-    while the router drains, when the main port is closed. ``/metrics`` tells what is cached through
-    its hit counters, so with ``api_key`` set the router's own port serves it only with ``admin_api_key``."""
+    """The key for ``/debug/*`` and, while ``api_key`` is set, ``/metrics`` (Prometheus sends it as its
+    bearer token). Unset while ``api_key`` is set, both are closed (403); with neither key set, everything is open (local use)."""
     expose_decision_headers: bool = False
     """Add ``x-kvrouter-reason`` to proxied responses. Off by default: a reason such as
     ``cache_hit`` tells any client whether some prefix (maybe another tenant's) is cached.
@@ -212,17 +207,8 @@ class RouterSettings(_Strict):
     """Pass the client's ``Authorization`` header on to backends that have no ``api_key``
     (engines that check each client's own key). Off, engines never see a client's key."""
     max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
-    """Largest request body accepted; a larger one gets 413."""
-    max_connections: int | None = Field(default=None, ge=1)
-    """Most client connections one router process keeps open; at the limit a new one takes the
-    place of the oldest that has not sent a whole request yet, or is closed. None: what the process's
-    file-descriptor limit allows (raised to its hard limit at start), less 256."""
-    client_timeout_s: float = Field(default=30.0, gt=0)
-    """Longest a client may take to send a request's headers (from the connection's opening), or
-    pause while sending its body; then its connection is closed."""
-    max_response_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
-    """Largest non-streamed answer relayed from an engine, which the router holds whole; a larger one
-    is a 502 (``response_too_large``). Streamed answers are relayed as they arrive, whatever their size."""
+    """Largest request body accepted; a larger one gets 413. A non-streamed answer from an engine, which the
+    router holds whole, may be twice this; a larger one is a 502 (streamed answers are relayed as they arrive)."""
     request_timeout_s: float = Field(default=600.0, gt=0)
     """Longest silence from an engine, in seconds, before a request to it fails (a read timeout: a stream that
     keeps sending may last longer)."""

@@ -209,9 +209,9 @@ class RouterMetrics:
         )
         self.connections_refused = Counter(
             "kvrouter_connections_refused",
-            "Client connections the router closed itself, by reason: limit (router.max_connections, every "
-            "connection serving a request), evicted (the oldest without a whole request head, for a new one), "
-            "header_timeout, body_timeout (router.client_timeout_s), head_too_large (431)",
+            "Client connections the router closed itself, by reason: limit (every connection serving a request), "
+            "evicted (the oldest without a request under way, for a new one), header_timeout, body_timeout "
+            "(a client silent too long), head_too_large (431)",
             ["reason"],
             registry=registry,
         )

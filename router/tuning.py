@@ -46,6 +46,12 @@ class Tuning(BaseModel):
     tokenize_pending_bytes: int = Field(default=64 << 20, ge=0)
     """Most request-body bytes waiting for, or in, the tokenizer pool; a request past it gets a 429
     (``tokenizer_busy``) rather than queueing unbounded work and memory."""
+    client_timeout_s: float = Field(default=30.0, gt=0)
+    """Longest a client may take to send a request's head (from its connection's opening, or the previous
+    answer), or pause its body; then its connection is closed (router/http/guard.py)."""
+    max_connections: int | None = Field(default=None, ge=1)
+    """Most client connections a router process keeps (router/http/guard.py); None: what its file
+    descriptors allow, the soft limit raised to the hard one at start."""
     hash_cache_blocks: int = Field(default=500_000, ge=16)
     """Blocks whose hashes the prefix hash cache keeps per model (~18 bytes each)."""
     parity_sample_rate: float = Field(default=0.01, ge=0.0, le=1.0)

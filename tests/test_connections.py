@@ -1,8 +1,8 @@
 """Client connections the router can afford (router/http/guard.py), on real ``kvrouter serve`` processes.
 
-Silent, slow-header and slow-body connections are closed within ``router.client_timeout_s``;
-a head over 64 KiB gets 431; at ``router.max_connections`` a new connection takes the place
-of the oldest one without a whole request head; and under ``ulimit -n 1024`` a router
+Silent, slow-header and slow-body connections are closed within the client timeout; a head
+over 64 KiB gets 431; at the connection limit a new connection takes the place of the oldest
+one without a request under way; and under ``ulimit -n 1024`` a router
 holding 1,100 silent connections still answers ``/health``. Every refusal is counted.
 """
 
@@ -45,8 +45,8 @@ def engine() -> Iterator[QuickEngine]:
 
 @pytest.fixture(scope="module")
 def router(engine: QuickEngine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProc]:
-    r = RouterProc("guarded", config(engine.url, client_timeout_s=TIMEOUT_S, max_connections=40),
-                   tmp_path_factory.mktemp("conn"), log_level="info")
+    r = RouterProc("guarded", config(engine.url), tmp_path_factory.mktemp("conn"), log_level="info",
+                   tuning={"client_timeout_s": TIMEOUT_S, "max_connections": 40})
     yield r
     r.stop()
 
@@ -139,10 +139,11 @@ def test_under_ulimit_1024_1100_silent_connections_leave_health_answering(engine
     raise_own_fd_limit(4096)
     port = free_port()
     path = tmp_path / "r.yaml"
-    path.write_text(yaml.safe_dump(config(engine.url, client_timeout_s=60.0)))
+    path.write_text(yaml.safe_dump(config(engine.url)))
     limited = ("import resource, runpy, sys; resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024)); "
                "sys.argv = ['kvrouter'] + sys.argv[1:]; runpy.run_module('router.cli', run_name='__main__')")
-    args = [sys.executable, "-c", limited, "serve", "--config", str(path), "--port", str(port), "--log-level", "info"]
+    args = [sys.executable, "-c", limited, "serve", "--config", str(path), "--port", str(port), "--log-level", "info",
+            "--tuning", json.dumps({"client_timeout_s": 60.0})]
     url = f"http://127.0.0.1:{port}"
     with Proc(args, tmp_path / "r.log") as proc:
         wait_http(url + "/health", timeout=120, proc=proc.popen)

@@ -77,7 +77,7 @@ def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProc]:
             "models": [{"name": MODEL, "tokenizer": str(QWEN3_DIR), "block_size": 16,
                         "backends": [{"name": "only", "url": engine.url}]}],
             "router": {"api_key": KEY, "admin_api_key": ADMIN, "retries": 0, "breaker_failures": 1000,
-                       "max_response_bytes": 1 << 20},
+                       "max_body_bytes": 1 << 19},  # answers up to twice that, 1 MiB
         }
         r = RouterProc("router", config, tmp_path_factory.mktemp("requests"), log_level="info")
         try:
@@ -131,7 +131,7 @@ def test_an_engines_4xx_body_is_relayed(router: RouterProc) -> None:
 
 
 @pytest.mark.parametrize("prompt", ["big", "big-chunked"])
-def test_an_answer_past_max_response_bytes_is_a_502(router: RouterProc, prompt: str) -> None:
+def test_an_answer_past_twice_max_body_bytes_is_a_502(router: RouterProc, prompt: str) -> None:
     """Non-streamed answers are held whole: three 200 MB ones once added 738 MB of RSS."""
     r = httpx.post(router.url + "/v1/completions", json={"model": MODEL, "prompt": prompt}, headers=auth(), timeout=30)
     assert r.status_code == 502 and openai_error(r.content)["code"] == "response_too_large", r.text[:300]

@@ -18,7 +18,6 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from aiohttp import web
 from fastapi import FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import Response
@@ -48,12 +47,9 @@ def create_app(config: Config, index: Index | None = None, tuning: Tuning | None
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await router.start()
-        listener = await metrics_listener(router, handlers) if config.router.metrics_port and router.worker == 0 else None
         try:
             yield
         finally:
-            if listener is not None:
-                await listener.cleanup()
             await router.stop()
 
     app = FastAPI(title="kvrouter", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
@@ -63,33 +59,6 @@ def create_app(config: Config, index: Index | None = None, tuning: Tuning | None
         endpoints.add(method, path, getattr(handlers, name))
     endpoints.add("GET", "/v1/models/{model_id:path}", handlers.model)  # matched by the fallback (a parameter)
     return endpoints
-
-
-async def metrics_listener(router: Router, handlers: Handlers) -> web.AppRunner:
-    """``router.metrics_port``: ``/metrics`` and the probes (``/health``, ``/livez``, ``/readyz``)
-    without keys, on a listener of their own (one per host: worker 0's; the page merges every
-    worker's series). It stays open while the router drains, when the main listener is closed,
-    so a probe still gets an answer. aiohttp serves it in the router's event loop: a second
-    uvicorn server would take over the process's signals."""
-    async def prometheus(_: web.Request) -> web.Response:
-        return web.Response(body=await metrics.exposition(), headers={"content-type": CONTENT_TYPE_LATEST})
-
-    def probe(handler: Any) -> Any:
-        async def answer(_: web.Request) -> web.Response:
-            got = await handler(None)
-            return web.Response(body=got.body, status=got.status_code, content_type="application/json")
-        return answer
-
-    app = web.Application()
-    app.router.add_get("/metrics", prometheus)
-    for path in ("/health", "/livez", "/readyz"):
-        app.router.add_get(path, probe(getattr(handlers, path[1:])))
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    settings = router.settings
-    await web.TCPSite(runner, settings.host, settings.metrics_port, reuse_address=True).start()
-    log.info("serving /metrics and /health on %s:%d", settings.host, settings.metrics_port)
-    return runner
 
 
 ROUTES = {
@@ -214,7 +183,7 @@ class Handlers:
         return json_response({"status": "unavailable", "reason": "a model has no healthy backend"}, 503)
 
     async def prometheus(self, request: Request) -> Response:
-        self.access.admin(request.headers, "/metrics is (use router.metrics_port)")
+        self.access.admin(request.headers, "/metrics is (scrape it with router.admin_api_key)")
         return Response(await metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     async def debug_route(self, request: Request) -> Response:

@@ -13,8 +13,8 @@ With only a client key, ``/debug/*`` stays closed rather than falling back to th
 ``/debug/route`` answers, for any prompt, how many of its blocks each backend holds, so a
 client could learn what other tenants' prompts begin with. ``/metrics`` takes the same
 column: diffing its hit counters around one request tells whether a guessed prompt is
-cached. ``router.metrics_port`` serves it, and ``/health``, without keys on a port of its
-own for Prometheus. ``/health`` stays open (load balancers probe it without keys).
+cached (Prometheus scrapes it with the admin key as its bearer token). ``/health``,
+``/livez`` and ``/readyz`` stay open (load balancers and probes call them without keys).
 
 Keys are compared with :func:`hmac.compare_digest` over bytes, so the time taken does not
 depend on how many leading characters of a guess were right.

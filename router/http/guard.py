@@ -6,11 +6,11 @@ on the headers' size. 250 silent, 250 slow-header and 250 slow-body connections 
 still open after 70 s, and under ``ulimit -n 1024`` 1,100 silent ones made ``/health``
 fail with nothing logged. :func:`guarded` subclasses the protocol with what it lacks:
 
-- **a connection limit** (``router.max_connections``, by default what the process's file
+- **a connection limit** (the tuning's ``max_connections``, by default what the process's file
   descriptors allow). At the limit a new connection takes the place of the oldest one
   without a request under way (silent, slow to send its head, or idle between requests);
   when every connection is serving a request, the new one is closed at once;
-- **a client timeout** (``router.client_timeout_s``): a request's head must arrive within
+- **a client timeout** (the tuning's ``client_timeout_s``, 30 s): a request's head must arrive within
   it of the connection opening (or of the previous answer, on a kept-alive connection),
   and its body may pause no longer than it; past it the connection is closed, and a
   handler waiting for the body sees the client gone (499);
@@ -115,11 +115,10 @@ def guarded(limits: Limits) -> type[HttpToolsProtocol]:
                 if waiting:
                     _, oldest = waiting.popitem(last=False)
                     oldest._close("evicted", f"the oldest of {limits.max_connections} connections without a "
-                                  "request under way made room for a new one (router.max_connections)")
+                                  "request under way made room for a new one")
                 else:
                     self._refused = True
-                    refusals.count("limit", f"{limits.max_connections} connections serve requests "
-                                   "(router.max_connections)")
+                    refusals.count("limit", f"{limits.max_connections} connections serve requests")
                     transport.close()
                     return
             super().connection_made(transport)
@@ -219,8 +218,7 @@ def guarded(limits: Limits) -> type[HttpToolsProtocol]:
             if reason == "body_timeout" and (self.pipeline or (self.flow is not None and self.flow.read_paused)):
                 self._restart(reason)  # the router, not the client, is not reading: wait on
                 return
-            self._close(reason, f"no request head, or no body byte, within {limits.client_timeout_s:g} s "
-                        "(router.client_timeout_s)")
+            self._close(reason, f"no request head, or no body byte, within {limits.client_timeout_s:g} s")
 
         def _close(self, reason: str, detail: str) -> None:
             self._cancel()

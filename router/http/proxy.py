@@ -401,7 +401,7 @@ class ProxyResponse(Response):
         self, send: Send, attempt: Attempt, upstream: aiohttp.ClientResponse, headers: list[tuple[bytes, bytes]]
     ) -> int:
         name = attempt.name
-        limit = attempt.backend.settings.max_response_bytes
+        limit = 2 * attempt.backend.settings.max_body_bytes  # held whole: 3 answers of 200 MB took 738 MB
         if (upstream.content_length or 0) > limit:
             return await self._too_large(send, attempt, upstream.content_length)
         try:
@@ -439,9 +439,9 @@ class ProxyResponse(Response):
         return status
 
     async def _too_large(self, send: Send, attempt: Attempt, size: int | None) -> int:
-        """A non-streamed answer past ``router.max_response_bytes``: 502, the connection dropped."""
-        limit = attempt.backend.settings.max_response_bytes
-        log.warning("backend %s: an answer of %s bytes is over router.max_response_bytes (%d)",
+        """A non-streamed answer past twice ``router.max_body_bytes``: 502, the connection dropped."""
+        limit = 2 * attempt.backend.settings.max_body_bytes
+        log.warning("backend %s: an answer of %s bytes is over twice router.max_body_bytes (%d)",
                     attempt.name, size if size is not None else "more than that many", limit)
         metrics.child(metrics.UPSTREAM_FAILURES, attempt.name, "too_large").inc()
         return await self._answer(send, UpstreamError(f"backend {attempt.name} answered more than the router's "

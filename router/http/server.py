@@ -258,7 +258,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"{args.config}: {e}", file=sys.stderr)
         return 2
     fds = raise_fd_limit()
-    limits = Limits(config.router.max_connections or default_max_connections(fds), config.router.client_timeout_s)
+    t = tuning or Tuning()
+    limits = Limits(t.max_connections or default_max_connections(fds), t.client_timeout_s)
     server_config = uvicorn.Config(
         app,
         host=config.router.host,
