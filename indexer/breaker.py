@@ -2,7 +2,8 @@
 
 A Redis that hangs (SIGSTOP, a full network buffer) answers nothing until each call's
 timeout, and every request that asks it pays that timeout: a frozen index made every
-request take 1.3 s. After a failure the breaker lets no call through for a back-off,
+request take 1.3 s. After ``threshold`` failures in a row (one slow answer on a loaded host
+is not an outage) the breaker lets no call through for a back-off,
 then exactly one at a time: that probe's success closes it, its failure doubles the
 back-off (:data:`BACKOFF_S`). Callers route without what the call would have told them,
 and count it.
@@ -14,9 +15,12 @@ callers, which is what keeps a frozen server from costing every request its time
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Callable
-from typing import Literal
+from collections.abc import Awaitable, Callable
+from typing import Literal, TypeVar
+
+T = TypeVar("T")
 
 BACKOFF_S = (1.0, 30.0)
 """The first back-off after a failure, and the most it doubles to."""
@@ -24,15 +28,38 @@ BACKOFF_S = (1.0, 30.0)
 Pass = Literal["call", "probe"]
 
 
+class Open(Exception):
+    """The breaker is open: the call was not made."""
+
+
 class Breaker:
     """``allow()`` before the call; then ``succeeded(p)``, ``failed(p)`` or ``release(p)`` with what it returned."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, threshold: int = 3, clock: Callable[[], float] = time.monotonic) -> None:
+        self.threshold = threshold
+        self._streak = 0
         self._clock = clock
         self.failing_since: float | None = None
         self._until = 0.0
         self._backoff_s = BACKOFF_S[0]
         self._probing = False
+
+    async def guard(self, call: Callable[[], Awaitable[T]]) -> T:
+        """``call()`` awaited under the breaker: :class:`Open` while it is open (``call`` not
+        made); an exception it raises counts as a failure and is raised again."""
+        p = self.allow()
+        if p is None:
+            raise Open()
+        try:
+            got = await call()
+        except asyncio.CancelledError:
+            self.release(p)
+            raise
+        except Exception:
+            self.failed(p)
+            raise
+        self.succeeded(p)
+        return got
 
     def allow(self) -> Pass | None:
         """``call`` while closed, ``probe`` for the one call after the back-off, None: skip it."""
@@ -47,20 +74,22 @@ class Breaker:
         """Close; returns how long it was open (None: it was closed)."""
         if p == "probe":
             self._probing = False
+        self._streak = 0
         since, self.failing_since = self.failing_since, None
         self._backoff_s = BACKOFF_S[0]
         return None if since is None else self._clock() - since
 
     def failed(self, p: Pass) -> bool:
-        """Open on a call's failure (calls already under way when it opened change nothing);
-        a failed probe doubles the back-off. Returns whether this opened it."""
+        """Open on the ``threshold``-th call failing in a row (calls under way when it opened
+        change nothing); a failed probe doubles the back-off. Returns whether this opened it."""
         now = self._clock()
         if p == "probe":
             self._probing = False
             self._backoff_s = min(BACKOFF_S[1], 2 * self._backoff_s)
             self._until = now + self._backoff_s
             return False
-        if self.failing_since is not None:
+        self._streak += 1
+        if self.failing_since is not None or self._streak < self.threshold:
             return False
         self.failing_since = now
         self._backoff_s = BACKOFF_S[0]

@@ -63,13 +63,14 @@ import json
 import logging
 import os
 import struct
+import time
 from collections.abc import Sequence
 
 import redis
 import redis.asyncio as aredis
 from prometheus_client import Counter
 
-from indexer.breaker import Breaker
+from indexer.breaker import Breaker, Open
 from indexer.events import EventBatch
 from indexer.index import DEFAULT_MEDIUM, Hits, Worker, batch_ops, validate_keys
 
@@ -507,35 +508,26 @@ class RedisIndex:
         except (struct.error, TypeError):
             blob = _valid_prefix(keys)
         prefix = self._prefix(model)
-        p = self._breaker.allow()
-        if p is None:
-            return self._missed()
+        was = self._breaker.failing_since
         try:
-            flat = await self._lookup_script(keys=[prefix + "reg"], args=[prefix, blob])  # type: ignore[operator]
-        except redis.RedisError as e:
+            flat = await self._breaker.guard(lambda: self._lookup_script(keys=[prefix + "reg"], args=[prefix, blob]))  # type: ignore[operator]
+        except (Open, redis.RedisError) as e:
             # Redis down, restarting or frozen: route on load alone (every worker misses) rather
             # than fail the request. Counted (kvrouter_index_lookup_failures_total) and logged
             # once per outage; only the breaker's probes pay LOOKUP_TIMEOUT_S.
-            if self._breaker.failed(p):
+            if was is None and self._breaker.failing_since is not None:  # this failure opened it
                 log.warning("Redis index lookup failed (%s: %s); routing without cache hits until it answers",
                             type(e).__name__, e)
-            return self._missed()
-        except BaseException:
-            self._breaker.release(p)
-            raise
-        down_s = self._breaker.succeeded(p)
-        if down_s is not None:
-            log.warning("Redis index answers again after %.1fs", down_s)
+            self.lookup_failures += 1
+            LOOKUP_FAILURES.inc()
+            return {}
+        if was is not None:
+            log.warning("Redis index answers again after %.1fs", time.monotonic() - was)
         hits: Hits = {}
         for i in range(0, len(flat), 3):
             backend, rank = json.loads(flat[i])
             hits.setdefault(Worker(backend, rank), {})[flat[i + 1].decode()] = int(flat[i + 2])
         return hits
-
-    def _missed(self) -> Hits:
-        self.lookup_failures += 1
-        LOOKUP_FAILURES.inc()
-        return {}
 
     def _layout(self, model: str) -> tuple[dict[bytes, int], list[int], list[str]]:
         """``reg`` (worker id -> slot), the draining slots and the media of ``model``."""

@@ -83,28 +83,24 @@ class Scraped(msgspec.Struct, tag=7, array_like=True):
 Record = Union[Decided, FirstToken, Ended, Settled, Snapshot, Verdict, Scraped]
 
 encode = msgspec.msgpack.Encoder().encode
-_decoder = msgspec.msgpack.Decoder(list[Record])
-_raw_decoder = msgspec.msgpack.Decoder(list[msgspec.Raw])
-_record_decoder = msgspec.msgpack.Decoder(Record)
+_batch = msgspec.msgpack.Decoder(list[msgspec.Raw])
+_record = msgspec.msgpack.Decoder(Record)
+_BAD = (msgspec.DecodeError, msgspec.ValidationError)
 
 
 def decode(data: bytes) -> tuple[list[Record], int] | None:
-    """A batch's valid records and how many were not (each record stands alone: one that is
-    malformed once stopped every backend's load from being shared), or None when ``data``
-    is not a batch at all. The transport counts what was dropped."""
+    """A batch's valid records and how many were not, or None when ``data`` is not a batch.
+    Each record stands alone (one malformed record once stopped every backend's load from
+    being shared); the transport counts what was dropped."""
     try:
-        return _decoder.decode(data), 0
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        pass
-    try:
-        raws = _raw_decoder.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError):
+        raws = _batch.decode(data)
+    except _BAD:
         return None
     records: list[Record] = []
     for raw in raws:
         try:
-            records.append(_record_decoder.decode(raw))
-        except (msgspec.DecodeError, msgspec.ValidationError):
+            records.append(_record.decode(raw))
+        except _BAD:
             pass
     return records, len(raws) - len(records)
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import redis.asyncio as aredis
 
-from indexer.breaker import Breaker
+from indexer.breaker import Breaker, Open
 from router import metrics
 from router.fleet.log import Decided, FleetState, Load, Record, Snapshot, decode, encode
 
@@ -87,9 +87,7 @@ class FleetStream:
         self.cursor = "0-0"  # the last entry folded (the reader and the commits both advance it)
         self.state: FleetState | None = None
         self._failing: set[str] = set()
-        self._breaker = Breaker()
-        """Appends and commits fail fast while Redis does not answer (:mod:`indexer.breaker`): a
-        frozen Redis cost every decision the whole :data:`TIMEOUT_S`, and more behind an append."""
+        self._breaker = Breaker()  # a frozen Redis cost every decision TIMEOUT_S, and more behind an append
 
     def append(self, records: list[Record]) -> None:
         kept = [r for r in records if not isinstance(r, Snapshot)]  # a snapshot is built when sent
@@ -108,25 +106,16 @@ class FleetStream:
             self._wake.clear()
             async with self._lock:
                 records, self._queue = self._queue, []
-                p = self._breaker.allow()
-                if p is None:  # Redis down: what would be lost in a failed append is dropped at once
-                    self._snapshot_due = True
-                    continue
                 if self._snapshot_due:
                     records.append(Snapshot(self._snapshot()))
                     self._snapshot_due = False
                 try:
-                    await self._add(records)
-                except asyncio.CancelledError:
-                    self._breaker.release(p)
-                    raise
-                except Exception as e:  # noqa: BLE001 - Redis down or slow: a snapshot re-bases the others later
-                    self._breaker.failed(p)
-                    self._snapshot_due = True
-                    self._failed("append", e)
-                else:
-                    self._breaker.succeeded(p)
+                    await self._breaker.guard(lambda: self._add(records))
                     self._failed("append", None)
+                except Exception as e:  # noqa: BLE001 - Redis down, slow or skipped: a snapshot re-bases the others later
+                    self._snapshot_due = True
+                    if not isinstance(e, Open):
+                        self._failed("append", e)
             await asyncio.sleep(FLUSH_S)
 
     async def _add(self, records: list[Record]) -> None:
@@ -159,8 +148,8 @@ class FleetStream:
         got = decode(payload)
         if got is None or got[1]:
             metrics.child(metrics.FLEET_LOG_FAILURES, "decode").inc(1 if got is None else got[1])
-        if got is None:
-            return
+            if got is None:
+                return
         age = max(0.0, time.time() - _id(entry_id)[0] / 1000)
         metrics.FLEET_LOG_DELAY.observe(age)
         self.state.fold(name, got[0], age)
@@ -170,49 +159,37 @@ class FleetStream:
         other processes' decisions overtook it; returns whether it was committed (else it
         goes as decided alone, its record queued as usual). One commit at a time: the caller
         sends the request before yielding, so this process's next decision sees this one."""
-        if self._breaker.failing_since is not None and self._lock.locked():
-            metrics.child(metrics.SEQUENCED, "failed").inc()  # Redis down, and the lock held by a try
+        if self._breaker.failing_since is not None and self._lock.locked():  # Redis down and a try under way
+            metrics.child(metrics.SEQUENCED, "failed").inc()
             return False
         waited = self._lock.locked()
         t0 = time.perf_counter()
         async with self._lock:
-            p = self._breaker.allow()  # after the lock: those queued behind a failure skip at once
-            if p is None:  # Redis down: go as decided alone
-                metrics.child(metrics.SEQUENCED, "failed").inc()
-                return False
             t1 = time.perf_counter()
-            told = False
-            try:
-                if waited:
-                    again()
-                first, overtaken = "", 0
-                while True:
-                    r = record()
-                    first = first or r.backend
-                    args = [self.cursor, self.mine, int(overtaken >= ATTEMPTS - 1), self.me, self.ttl_ms, MAXLEN,
-                            encode([r]), 4 * self.ttl_ms]
-                    try:
-                        out: list[Any] = await asyncio.wait_for(self._script(keys=[self.key], args=args), TIMEOUT_S)
-                    except Exception as e:  # noqa: BLE001 - Redis down or slow: go as decided alone
-                        metrics.child(metrics.SEQUENCED, "failed").inc()
-                        told = True
-                        self._breaker.failed(p)
+            if waited:
+                again()
+            first, overtaken = "", 0
+            while True:
+                r = record()
+                first = first or r.backend
+                args = [self.cursor, self.mine, int(overtaken >= ATTEMPTS - 1), self.me, self.ttl_ms, MAXLEN,
+                        encode([r]), 4 * self.ttl_ms]
+                try:
+                    out: list[Any] = await self._breaker.guard(
+                        lambda: asyncio.wait_for(self._script(keys=[self.key], args=args), TIMEOUT_S))
+                except Exception as e:  # noqa: BLE001 - Redis down, slow or skipped: go as decided alone
+                    metrics.child(metrics.SEQUENCED, "failed").inc()
+                    if not isinstance(e, Open):
                         self._failed("order", e)
-                        return False
-                    if not told:
-                        told = True
-                        self._breaker.succeeded(p)
-                    self._failed("order", None)
-                    for i in range(2, len(out) - 3, 4):  # id, sender, decided flag, records
-                        self._fold(out[i].decode(), out[i + 1], out[i + 3])
-                    if int(out[0]):  # every other entry before it was just folded:
-                        self.cursor = max(self.cursor, out[1].decode(), key=_id)
-                        break
-                    overtaken += 1
-                    again()
-            finally:
-                if not told:
-                    self._breaker.release(p)
+                    return False
+                self._failed("order", None)
+                for i in range(2, len(out) - 3, 4):  # id, sender, decided flag, records
+                    self._fold(out[i].decode(), out[i + 1], out[i + 3])
+                if int(out[0]):  # every other entry before it was just folded:
+                    self.cursor = max(self.cursor, out[1].decode(), key=_id)
+                    break
+                overtaken += 1
+                again()
         metrics.child(metrics.SEQUENCED, "moved" if r.backend != first else "again" if overtaken else "first").inc()
         metrics.child(metrics.SEQUENCE_SECONDS, "wait").observe(t1 - t0)
         metrics.child(metrics.SEQUENCE_SECONDS, "commit").observe(time.perf_counter() - t1)
