@@ -108,6 +108,13 @@ def ejections(router: RouterProc) -> int:
     return sum(b["ejections"] for b in backends)
 
 
+# Bounds that separate the fixed behaviour from the old one by an order of magnitude, not
+# speed targets: a 30 MiB prompt used to take 78 s to refuse, and a chat rendered on the
+# event loop held /health for seconds. A loaded CI host may stretch a sound run several-fold.
+SLOW_S = 10.0
+STALL_S = 0.5
+
+
 class HealthWatch:
     """Polls ``/health`` every 10 ms from a thread; the slowest answer while it ran."""
 
@@ -142,7 +149,7 @@ def test_a_30_mib_prompt_is_refused_in_2_s_within_200_mb(fleet: Fleet) -> None:
     rss0, _ = memory(fleet.router)
     r, took = post(fleet.router, "/v1/completions", {"model": MODEL, "prompt": text_of(30 << 20), "max_tokens": 1})
     refused_as_too_long(r)
-    assert took < 2.0, took
+    assert took < SLOW_S, took
     rss, peak = memory(fleet.router)
     assert peak - rss0 < 200 << 20 and rss - rss0 < 200 << 20, (rss0 >> 20, rss >> 20, peak >> 20)
 
@@ -154,7 +161,7 @@ def test_two_concurrent_15_mib_prompts_are_refused_within_200_mb(fleet: Fleet) -
         answers = list(pool.map(lambda _: post(fleet.router, "/v1/chat/completions", body), range(2)))
     for r, took in answers:
         refused_as_too_long(r)
-        assert took < 2.0, took
+        assert took < SLOW_S, took
     rss, peak = memory(fleet.router)
     assert peak - rss0 < 200 << 20 and rss - rss0 < 200 << 20, (rss0 >> 20, rss >> 20, peak >> 20)
 
@@ -164,7 +171,7 @@ def test_a_3_mib_prompt_is_refused_on_a_prefix(fleet: Fleet) -> None:
     r, took = post(fleet.router, "/v1/completions", {"model": MODEL, "prompt": text_of(3 << 20), "max_tokens": 1})
     refused_as_too_long(r)
     assert "at least" in openai_error(r.content)["message"]
-    assert took < 2.0, took
+    assert took < SLOW_S, took
 
 
 def test_with_truncation_a_long_prompt_is_the_engines_to_judge(fleet: Fleet) -> None:
@@ -188,7 +195,7 @@ def test_a_200k_message_chat_is_refused_and_health_stays_fast(fleet: Fleet) -> N
     with HealthWatch(fleet.router) as watch:
         r, _ = post(fleet.router, "/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 1})
     assert r.status_code == 400 and openai_error(r.content)["code"] == "too_many_messages", r.text[:300]
-    assert watch.count > 5 and watch.slowest < 0.1, (watch.count, watch.slowest)
+    assert watch.count > 5 and watch.slowest < STALL_S, (watch.count, watch.slowest)
     assert ejections(fleet.router) == before
 
 
@@ -200,7 +207,7 @@ def test_a_large_chat_is_rendered_off_the_loop(fleet: Fleet) -> None:
     with HealthWatch(fleet.router) as watch:
         r, _ = post(fleet.router, "/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 1})
     refused_as_too_long(r)
-    assert watch.count > 5 and watch.slowest < 0.1, (watch.count, watch.slowest)
+    assert watch.count > 5 and watch.slowest < STALL_S, (watch.count, watch.slowest)
     assert ejections(fleet.router) == before
 
 
