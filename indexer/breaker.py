@@ -16,8 +16,9 @@ callers, which is what keeps a frozen server from costing every request its time
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Hashable
 from typing import Literal, TypeVar
 
 T = TypeVar("T")
@@ -100,3 +101,23 @@ class Breaker:
         """The call ended without telling anything (cancelled): the next one may probe."""
         if p == "probe":
             self._probing = False
+
+
+class Outage:
+    """Failures of remote calls logged once per outage, and the recovery once: a Redis down
+    once made ~20 tracebacks a second. Keyed by call (or stream), so one object serves
+    several; callers count every failure in their own metric."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self._log = logger
+        self._since: dict[Hashable, float] = {}
+
+    def failed(self, key: Hashable, message: str, *args: object) -> None:
+        if key not in self._since:
+            self._since[key] = time.monotonic()
+            self._log.warning(message, *args)
+
+    def answered(self, key: Hashable, message: str, *args: object) -> None:
+        """A call under ``key`` succeeded: ends its outage, if one was on (cheap when none was)."""
+        if self._since and key in self._since:
+            self._log.info(message + " (after %.1f s)", *args, time.monotonic() - self._since.pop(key))

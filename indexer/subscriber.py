@@ -75,6 +75,7 @@ from indexer.events import (
     parse_pub_frames,
     parse_replay_reply,
 )
+from indexer.breaker import Outage
 from indexer.heap import trim
 from indexer.index import Index, Worker
 
@@ -295,7 +296,6 @@ class _Stream:
         self.warned_at = -_NEVER
         self.unlogged = 0
         """Malformed messages counted but not logged since ``warned_at`` (:data:`WARN_EVERY_S`)."""
-        self.index_failing = False
         """The index refused writes (Redis down): logged once, and once more when it takes them again."""
 
 
@@ -339,6 +339,7 @@ class FleetSubscriber:
         self._thread: threading.Thread | None = None
         self._ctx: zmq.Context | None = None
         self._sockets_changed = True
+        self._outage = Outage(log)
 
     # -- public API (any thread) ----------------------------------------------------------
 
@@ -816,9 +817,7 @@ class FleetSubscriber:
             self._index_failed(st, f"index write failed at seq {seq}; re-synchronising", e)
             st.resync_at = time.monotonic()
             return
-        if st.index_failing:
-            st.index_failing = False
-            log.warning("kv events %s: the index takes writes again", _name(st))
+        self._outage.answered(st.spec.worker, "kv events %s: the index takes writes again", _name(st))
         st.stats.batches += 1
         self._metrics.batches.labels(*st.labels).inc()
         for ev in batch.events:
@@ -918,12 +917,10 @@ class FleetSubscriber:
         log.warning("kv events %s: malformed message skipped: %s%s", _name(st), why, more)
 
     def _index_failed(self, st: _Stream, what: str, e: Exception) -> None:
-        """Counted every time; logged once per outage (Redis down made ~20 tracebacks a second)."""
+        """Counted every time; logged once per outage."""
         self._count(st, "index_errors")
-        if not st.index_failing:
-            st.index_failing = True
-            log.warning("kv events %s: %s (%s: %s); logged once until the index takes writes again",
-                        _name(st), what, type(e).__name__, e)
+        self._outage.failed(st.spec.worker, "kv events %s: %s (%s: %s); logged once until the index takes writes "
+                            "again", _name(st), what, type(e).__name__, e)
 
     def _count(self, st: _Stream, what: str) -> None:
         setattr(st.stats, what, getattr(st.stats, what) + 1)

@@ -123,7 +123,7 @@ class Router:
         if url is not None:
             from router.fleet.stream import FleetStream
 
-            stream = FleetStream(url, self.config.index_namespace, self.replica, self.worker, self.loads.snapshot, TTL_S)
+            stream = FleetStream(url, self.config.index_namespace, self.replica, self.worker, TTL_S)
         if self.ring is None and stream is None:
             return
         state = FleetState({rt.name: rt.prefixes for rt in self.models if rt.prefixes is not None},

@@ -133,3 +133,20 @@ def test_import_circles_are_found() -> None:
 def test_no_module_under_router_imports_itself_through_others() -> None:
     circles = import_circles(router_module_imports())
     assert not circles, "import circles under router/:\n" + "\n".join(", ".join(c) for c in circles)
+
+
+
+FLEET_STATE = {"log", "ring", "stream", "process"}
+"""The whole fleet-state mechanism: the log and its fold, the two transports, this process's side."""
+FLEET_OTHERS = {"__init__", "backends", "gauges", "load"}
+"""The rest of ``router/fleet``: a new module there is one or the other, never uncounted."""
+
+
+def test_module_sizes_stay_within_the_budget_the_architecture_sets() -> None:
+    """A module over 500 lines has grown more than one job; the fleet-state mechanism, which
+    once spread over nine protocols, stays one of a few hundred lines."""
+    over = {str(p.relative_to(ROOT)): n for p in modules("router") if (n := len(p.read_text().splitlines())) > 500}
+    assert not over, f"modules over 500 lines: {over}"
+    fleet = {p.stem: len(p.read_text().splitlines()) for p in (ROOT / "router/fleet").glob("*.py")}
+    assert set(fleet) == FLEET_STATE | FLEET_OTHERS, sorted(fleet)
+    assert sum(fleet[m] for m in FLEET_STATE) <= 600, {m: fleet[m] for m in FLEET_STATE}

@@ -247,7 +247,7 @@ class _Replica:
 
         self.loads = LoadTracker(backends)
         self.shares = Shares(64)
-        self.stream = FleetStream(redis_url, namespace, name, 0, self.loads.snapshot, TTL_S)
+        self.stream = FleetStream(redis_url, namespace, name, 0, TTL_S)
         self.log = FleetLog(FleetState({}, {"m": self.shares}), self.loads.snapshot, fleet=self.stream)
         self.loads.share(self.log)
         self.task = asyncio.ensure_future(self.log.run_forever(0.05))

@@ -334,7 +334,7 @@ class BackendPool:
         self.fleet = fleet
         self.worker = worker
         self.workers = workers
-        fleet.state.on_verdict = self._follow
+        fleet.state.follow[Verdict] = self._follow
         for b in self.backends.values():
             b.fleet = fleet
 

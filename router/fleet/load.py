@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.fleet.log import Decided, Ended, FirstToken, Load, Scraped, Settled
+from router.fleet.log import Changed, Decided, Load, Scraped, Settled
 from router.policies.approx_index import stored_keys
 
 if TYPE_CHECKING:
@@ -245,7 +245,7 @@ class Ticket:
             load.prefill_tokens -= self.prefill
             load.decode_seqs += 1
             if load.fleet is not None:
-                load.fleet.append(FirstToken(load.name, (0, -self.prefill, 1, 0, 0)))
+                load.fleet.append(Changed(load.name, (0, -self.prefill, 1, 0, 0)))
 
     def settle(self, keys: list[int], prefill: int) -> None:
         """Replace the estimate a deferred request was sent with (the keys of its head and
@@ -284,7 +284,7 @@ class Ticket:
         load.in_flight -= 1
         self._unref()
         if load.fleet is not None:
-            load.fleet.append(Ended(load.name, (d[0], d[1], d[2], len(load.block_refs) - before, d[4])))
+            load.fleet.append(Changed(load.name, (d[0], d[1], d[2], len(load.block_refs) - before, d[4])))
 
     def _unref(self) -> None:
         self.load.context_blocks -= len(self.keys)
@@ -313,7 +313,7 @@ class LoadTracker:
         (call before the first request)."""
         self.fleet = fleet
         self.remote = fleet.state.remote
-        fleet.state.on_scraped = self._take_scraped
+        fleet.state.follow[Scraped] = self._take_scraped
         for load in self.backends.values():
             load.fleet = fleet
 

@@ -1,14 +1,12 @@
 """The fleet-state log: what every router process did, in one order, folded alike by all.
 
-Workers and replicas decide alone, yet each must weigh every process's requests and recent
-decisions (a burst on a new prefix lands where its first request went), the fleet's request
-share and health: one log carries it all, as Dynamo's router replicas share one active-sequence
-stream. Each process appends what it did (:class:`Decided`, :class:`FirstToken`, :class:`Ended`,
-:class:`Settled`, :class:`Verdict`, :class:`Scraped`) and every :data:`SNAPSHOT_S` a
-:class:`Snapshot` of its load, its heartbeat; every process folds the others' into the same
-:class:`FleetState`. Records carry load *changes*, a snapshot sets a sender's counters outright
-and a sender's records keep their order: the fold is exact, a lost record costs one snapshot
-interval, and a sender silent for ``ttl_s`` stops counting.
+Workers and replicas decide alone, yet each must weigh every process's requests, recent
+decisions (a burst on a new prefix lands where its first request went), request share and
+health, as Dynamo's router replicas share one active-sequence stream. Each process appends
+what it did (a record type below) and every :data:`SNAPSHOT_S` a :class:`Snapshot` of its load,
+its heartbeat; every process folds the others' into the same :class:`FleetState`. Records carry
+load *changes* and a snapshot sets a sender's counters outright: the fold is exact, a lost
+record costs one snapshot interval, and a sender silent for ``ttl_s`` stops counting.
 """
 
 from __future__ import annotations
@@ -16,7 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, Union
+from typing import TYPE_CHECKING, Annotated, Any, Union
 
 import msgspec
 
@@ -25,36 +23,25 @@ if TYPE_CHECKING:
     from router.policies.shares import Shares
 
 
-Count = Annotated[int, msgspec.Meta(ge=-(1 << 40), le=1 << 40)]
-"""A load count or its change: bounded, so one forged or corrupt record cannot swamp every sum."""
-Load = tuple[Count, Count, Count, Count, Count]
-"""Changes of (in a snapshot: the values of) one backend's in_flight, prefill_tokens,
-decode_seqs, active_blocks and context_blocks."""
-SNAPSHOT_S = 0.25
-"""How often a process appends its whole load (the heartbeat that keeps it counted)."""
-TTL_S = 1.0
-"""A sender silent this long stops counting (four snapshots missed)."""
+Count = Annotated[int, msgspec.Meta(ge=-(1 << 40), le=1 << 40)]  # bounded: a forged record cannot swamp a sum
+Load = tuple[Count, Count, Count, Count, Count]  # in_flight, prefill_tokens, decode_seqs, active/context blocks
+SNAPSHOT_S = 0.25  # how often a process appends its whole load: the heartbeat that keeps it counted
+TTL_S = 1.0  # a sender silent this long (four snapshots missed) stops counting
 
 
 class Decided(msgspec.Struct, tag=1, array_like=True):
     model: str
     backend: str
     load: Load
-    keys: list[int]
-    """The chain's block keys at the positions the prefix memory stores
-    (:func:`router.policies.approx_index.stored_keys`)."""
+    keys: list[int]  # the block keys the prefix memory stores (approx_index.stored_keys)
 
 
-class FirstToken(msgspec.Struct, tag=2, array_like=True):
+class Changed(msgspec.Struct, tag=2, array_like=True):  # a request's first token (prefill to decode) or end
     backend: str
     load: Load
 
 
-class Ended(FirstToken, tag=3): ...
-
-
-class Settled(Decided, tag=4):
-    """A deferred request's estimate replaced by its exact keys and prefill tokens."""
+class Settled(Decided, tag=4): ...  # a deferred request's estimate replaced by its exact keys and prefill
 
 
 class Snapshot(msgspec.Struct, tag=5, array_like=True):
@@ -65,13 +52,10 @@ class Verdict(msgspec.Struct, tag=6, array_like=True):
     backend: str
     healthy: bool
     refused: bool = False
-    timed_out: bool = False
-    """Ejected by a check that only timed out: the engine keeps its cache, so no worker purges it."""
+    timed_out: bool = False  # a check that only timed out: the engine keeps its cache, no worker purges it
 
 
-class Scraped(msgspec.Struct, tag=7, array_like=True):
-    """The health leader's scrape of one engine's gauges (``at`` None: it failed)."""
-
+class Scraped(msgspec.Struct, tag=7, array_like=True):  # the health leader's scrape (``at`` None: it failed)
     backend: str
     waiting: float | None
     running: float | None
@@ -80,18 +64,22 @@ class Scraped(msgspec.Struct, tag=7, array_like=True):
     at: float | None
 
 
-Record = Union[Decided, FirstToken, Ended, Settled, Snapshot, Verdict, Scraped]
+Record = Union[Decided, Changed, Settled, Snapshot, Verdict, Scraped]
 
 encode = msgspec.msgpack.Encoder().encode
+_records = msgspec.msgpack.Decoder(list[Record])
 _batch = msgspec.msgpack.Decoder(list[msgspec.Raw])
 _record = msgspec.msgpack.Decoder(Record)
 _BAD = (msgspec.DecodeError, msgspec.ValidationError)
 
 
 def decode(data: bytes) -> tuple[list[Record], int] | None:
-    """A batch's valid records and how many were not, or None when ``data`` is not a batch.
-    Each record stands alone (one malformed record once stopped every backend's load from
-    being shared); the transport counts what was dropped."""
+    """A batch's valid records and how many were not (each stands alone: one malformed record once
+    stopped every backend's load from being shared), or None when ``data`` is not a batch."""
+    try:
+        return _records.decode(data), 0
+    except _BAD:
+        pass
     try:
         raws = _batch.decode(data)
     except _BAD:
@@ -108,6 +96,22 @@ def decode(data: bytes) -> tuple[list[Record], int] | None:
 def _shift(counters: list[int], d: Load | list[int], sign: int = 1) -> None:
     for i in range(5):
         counters[i] += sign * d[i]
+
+
+def coalesce(records: list[Record]) -> list[Record]:
+    """The same fold in fewer records: the :class:`Changed` summed per backend, each sum placed
+    before the next snapshot (which holds them) or last: one per backend, not two per request."""
+    out: list[Record] = []
+    sums: dict[str, list[int]] = {}
+    for r in records:
+        if type(r) is Changed:
+            _shift(sums.setdefault(r.backend, [0] * 5), r.load)
+            continue
+        if type(r) is Snapshot:
+            out += [Changed(b, tuple(v)) for b, v in sums.items()]  # type: ignore[arg-type]
+            sums = {}
+        out.append(r)
+    return out + [Changed(b, tuple(v)) for b, v in sums.items()]  # type: ignore[arg-type]
 
 
 @dataclass(slots=True)
@@ -128,35 +132,26 @@ class FleetState:
         self._clock = clock
         self._senders: dict[str, _Sender] = {}
         self.remote: dict[str, list[int]] = {}  # per backend, summed over the other live senders
-        self.on_verdict: Callable[[Verdict], None] | None = None
-        self.on_scraped: Callable[[Scraped], None] | None = None
+        self.follow: dict[type, Callable[[Any], None]] = {}  # other records' readers: follow[Verdict] = ...
 
-    def fold(self, sender: str, records: list[Record], age_s: float = 0.0) -> bool:
-        """Apply ``sender``'s records, in order; returns whether one was a decision.
-        ``age_s``: how old they are (a prefix older than the memory's TTL is not learned)."""
+    def fold(self, sender: str, records: list[Record], age_s: float = 0.0) -> None:
+        """Apply ``sender``'s records, in order; ``age_s``: how old they are (a prefix older
+        than the memory's TTL is not learned)."""
         s = self._senders.setdefault(sender, _Sender(0.0))
         s.heard = self._clock()
-        decided = False
         for r in records:
             if isinstance(r, Decided):
-                if not isinstance(r, Settled):
-                    decided = True
-                    shares = self.shares.get(r.model)
-                    if shares is not None:
-                        shares.count(r.backend)
-                memory = self.memories.get(r.model)
-                if memory is not None and r.keys and age_s < memory.ttl_s:
+                if type(r) is Decided and (shares := self.shares.get(r.model)) is not None:
+                    shares.count(r.backend)
+                if (memory := self.memories.get(r.model)) is not None and r.keys and age_s < memory.ttl_s:
                     memory.insert_stored(r.keys, r.backend)
                 self._add(s, r.backend, r.load)
-            elif isinstance(r, (FirstToken, Ended)):
+            elif type(r) is Changed:
                 self._add(s, r.backend, r.load)
             elif isinstance(r, Snapshot):
                 self._set(s, r.loads)
-            elif isinstance(r, Verdict) and self.on_verdict is not None:
-                self.on_verdict(r)
-            elif isinstance(r, Scraped) and self.on_scraped is not None:
-                self.on_scraped(r)
-        return decided
+            elif (follow := self.follow.get(type(r))) is not None:
+                follow(r)
 
     def _add(self, s: _Sender, backend: str, d: Load) -> None:
         if s.loads is not None:  # else it joined after this change: the next snapshot includes it
@@ -176,10 +171,8 @@ class FleetState:
     def begin(self, sender: str) -> None:
         """``sender``'s records will be folded from its first on: its load counts from
         there, without waiting for a snapshot (a ring read from the worker's start)."""
-        s = self._senders.get(sender)
-        if s is None:
-            self._senders[sender] = _Sender(self._clock(), {})
-        elif s.loads is None:
+        s = self._senders.setdefault(sender, _Sender(self._clock()))
+        if s.loads is None:
             s.loads = {}
 
     def drop(self, sender: str) -> None:

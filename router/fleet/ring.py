@@ -4,9 +4,9 @@ One memory-mapped file in the supervisor's run directory holds a header, per wor
 generation, start and cursor, then per worker a ring. A worker appends each batch (4-byte
 length, msgpack), then advances its cursor with one aligned 8-byte store: one writer, no lock.
 A reader a whole ring behind skips to the cursor and forgets that worker's load until its next
-snapshot. The supervisor bumps a worker's generation when it dies (readers drop its load at
-once) and when it starts another. A file, not ``SharedMemory``: Python 3.11's resource
-tracker unlinks that when its first user exits.
+snapshot. The supervisor bumps a worker's generation when it dies or restarts (readers drop its
+load). A file, not ``SharedMemory``: Python 3.11's resource tracker unlinks that when its first
+user exits.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+from array import array
 from pathlib import Path
 
 from router.fleet.log import FleetState, decode
@@ -27,8 +28,7 @@ WORKER_WORDS = 4
 RING_BYTES = 1 << 20
 
 
-def sender(worker: int) -> str:
-    """A worker's name in the fold (its records reach the other workers only through its ring)."""
+def sender(worker: int) -> str:  # a worker's name in the fold
     return f"w{worker}"
 
 
@@ -46,20 +46,16 @@ class Ring:
         self.ring_bytes = self.words[H_RING_BYTES]
         self._rings0 = (HEADER_WORDS + self.n_workers * WORKER_WORDS) * 8
         self.worker = worker
+        # Per worker: the generation and the cursor this reader has folded up to.
         self._seen = [(self._word(w, W_GENERATION), self._word(w, W_CURSOR)) for w in range(self.n_workers)]
-        """Per worker: the generation and the cursor this reader has folded up to."""
 
     @classmethod
     def create(cls, path: Path, n_workers: int, ring_bytes: int = RING_BYTES) -> Ring:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         os.ftruncate(fd, (HEADER_WORDS + n_workers * WORKER_WORDS) * 8 + n_workers * ring_bytes)
         mm = mmap.mmap(fd, 0)
-        words = memoryview(mm).cast("q")
-        words[H_WORKERS] = n_workers
-        words[H_RING_BYTES] = ring_bytes
-        words[H_LAYOUT] = LAYOUT
-        words[H_MAGIC] = MAGIC
-        words.release()
+        with memoryview(mm).cast("q") as words:
+            words[:H_RING_BYTES + 1] = array("q", [MAGIC, LAYOUT, n_workers, 0, ring_bytes])
         return cls(path, fd, mm)
 
     @classmethod

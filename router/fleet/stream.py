@@ -1,15 +1,13 @@
 """The fleet-state log between router replicas: one Redis Stream per fleet (``router.fleet_state``).
 
-Each process appends entries to ``{namespace}:fleet`` (its name and a batch of records), at
-most one per :data:`FLUSH_S`, a snapshot due built as the entry's last record so it covers
-every change before it; it folds the other replicas' entries as a blocking ``XREAD`` brings
-them (its own host's workers reach it through their ring). kv_aware's decisions are committed
-by one atomic script (:meth:`FleetStream.order`) only if no other process decided after the
-last entry folded; else the script returns those entries, they are folded and the decision is
-made again (the :data:`ATTEMPTS`-th goes whatever came): each decision sees every one
-committed before it, as in one process. Redis down or slower than :data:`TIMEOUT_S`:
-decisions go as decided alone, a snapshot re-bases the others once it answers, and each
-failure state is logged once.
+Each process appends entries to ``{namespace}:fleet`` (its name and a batch of records, in its
+order, load changes summed), at most one per :data:`FLUSH_S`, and folds
+the other replicas' entries as a blocking ``XREAD`` brings them (its own host's workers reach it
+through their ring). kv_aware's decisions are committed by one atomic script
+(:meth:`FleetStream.order`) only if no other process decided since the last entry folded; else
+the decision is made again on those entries (the :data:`ATTEMPTS`-th goes whatever came): each
+decision sees every one committed before it, as in one process. Redis down or slower than
+:data:`TIMEOUT_S`: decisions go as decided alone and a snapshot re-bases the others later.
 """
 
 from __future__ import annotations
@@ -23,9 +21,9 @@ from typing import Any
 
 import redis.asyncio as aredis
 
-from indexer.breaker import Breaker, Open
+from indexer.breaker import Breaker, Open, Outage
 from router import metrics
-from router.fleet.log import Decided, FleetState, Load, Record, Snapshot, decode, encode
+from router.fleet.log import Decided, FleetState, Record, Snapshot, coalesce, decode, encode
 
 log = logging.getLogger(__name__)
 
@@ -35,9 +33,9 @@ TIMEOUT_S = 0.25
 MAXLEN = 8192
 BLOCK_MS = 1000
 
-# KEYS[1]: the stream. ARGV: the decision's cursor, own replica prefix, force, sender, window
-# ms, max length, payload, TTL ms. Returns committed (0/1), the last entry's id, then each
-# other process's entry after the cursor: id, sender, decided flag, records.
+# KEYS[1]: the stream. ARGV: cursor, own replica prefix, force, sender, window ms, max length,
+# payload, TTL ms. Returns committed (0/1), the last entry's id, then each other process's
+# entry after the cursor: id, sender, decided flag, records.
 _COMMIT = """
 local key, cursor, mine = KEYS[1], ARGV[1], ARGV[2]
 local t = redis.call('TIME')
@@ -68,8 +66,7 @@ def _id(entry_id: str) -> tuple[int, int]:
 class FleetStream:
     """This process's side of the replicas' stream (see the module docstring)."""
 
-    def __init__(self, url: str, namespace: str, replica: str, worker: int, snapshot: Callable[[], dict[str, Load]],
-                 ttl_s: float) -> None:
+    def __init__(self, url: str, namespace: str, replica: str, worker: int, ttl_s: float) -> None:
         timeout = max(0.5, ttl_s)
         self.redis = aredis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
         self._reader = aredis.Redis.from_url(url, socket_timeout=BLOCK_MS / 1000 + timeout,
@@ -79,20 +76,16 @@ class FleetStream:
         self.me = f"{replica}/{worker}.{os.getpid()}"  # the pid: a restarted worker is a new sender
         self.mine = f"{replica}/"  # what this host's workers skip (their ring brings them)
         self.ttl_ms = max(1, int(ttl_s * 1000))
-        self._snapshot = snapshot
         self._queue: list[Record] = []
-        self._snapshot_due = True
         self._wake = asyncio.Event()
         self._lock = asyncio.Lock()
         self.cursor = "0-0"  # the last entry folded (the reader and the commits both advance it)
         self.state: FleetState | None = None
-        self._failing: set[str] = set()
+        self._outage = Outage(log)
         self._breaker = Breaker()  # a frozen Redis cost every decision TIMEOUT_S, and more behind an append
 
     def append(self, records: list[Record]) -> None:
-        kept = [r for r in records if not isinstance(r, Snapshot)]  # a snapshot is built when sent
-        self._queue += kept
-        self._snapshot_due = self._snapshot_due or len(kept) < len(records)
+        self._queue += records
         self._wake.set()
 
     async def run(self, state: FleetState) -> None:
@@ -105,17 +98,12 @@ class FleetStream:
             await self._wake.wait()
             self._wake.clear()
             async with self._lock:
-                records, self._queue = self._queue, []
-                if self._snapshot_due:
-                    records.append(Snapshot(self._snapshot()))
-                    self._snapshot_due = False
+                records, self._queue = coalesce(self._queue), []
                 try:
                     await self._breaker.guard(lambda: self._add(records))
                     self._failed("append", None)
-                except Exception as e:  # noqa: BLE001 - Redis down, slow or skipped: a snapshot re-bases the others later
-                    self._snapshot_due = True
-                    if not isinstance(e, Open):
-                        self._failed("append", e)
+                except Exception as e:  # noqa: BLE001 - Redis down, slow or skipped: the next snapshot re-bases the others
+                    self._failed("append", e)
             await asyncio.sleep(FLUSH_S)
 
     async def _add(self, records: list[Record]) -> None:
@@ -138,8 +126,7 @@ class FleetStream:
                 await asyncio.sleep(0.5)
 
     def _fold(self, entry_id: str, sender: bytes, payload: bytes) -> None:
-        """One entry, unless folded already (by the reader or a commit) or this replica's."""
-        if _id(entry_id) <= _id(self.cursor):
+        if _id(entry_id) <= _id(self.cursor):  # folded already (by the reader or a commit)
             return
         self.cursor = entry_id
         name = sender.decode(errors="replace")
@@ -155,10 +142,8 @@ class FleetStream:
         self.state.fold(name, got[0], age)
 
     async def order(self, record: Callable[[], Decided], again: Callable[[], None]) -> bool:
-        """Commit the decision ``record()`` describes, calling ``again`` to decide anew while
-        other processes' decisions overtook it; returns whether it was committed (else it
-        goes as decided alone, its record queued as usual). One commit at a time: the caller
-        sends the request before yielding, so this process's next decision sees this one."""
+        """Commit ``record()``, calling ``again`` to decide anew while others' decisions overtake it
+        (False: it goes as decided alone); one at a time, so this process's next decision sees it."""
         if self._breaker.failing_since is not None and self._lock.locked():  # Redis down and a try under way
             metrics.child(metrics.SEQUENCED, "failed").inc()
             return False
@@ -179,8 +164,7 @@ class FleetStream:
                         lambda: asyncio.wait_for(self._script(keys=[self.key], args=args), TIMEOUT_S))
                 except Exception as e:  # noqa: BLE001 - Redis down, slow or skipped: go as decided alone
                     metrics.child(metrics.SEQUENCED, "failed").inc()
-                    if not isinstance(e, Open):
-                        self._failed("order", e)
+                    self._failed("order", e)
                     return False
                 self._failed("order", None)
                 for i in range(2, len(out) - 3, 4):  # id, sender, decided flag, records
@@ -195,17 +179,13 @@ class FleetStream:
         metrics.child(metrics.SEQUENCE_SECONDS, "commit").observe(time.perf_counter() - t1)
         return True
 
-    def _failed(self, what: str, e: Exception | None) -> None:
-        """Count a failure (``e``) or a success (None), and log each change of state once."""
-        if e is None and what in self._failing:
-            self._failing.discard(what)
-            log.info("fleet state: Redis answers again (%s)", what)
-        elif e is not None and what not in self._failing:
-            self._failing.add(what)
-            log.warning("fleet state: cannot %s the replicas' stream in Redis (%s: %s); this replica routes on "
-                        "what it sees itself until Redis answers", what, type(e).__name__, e)
-        if e is not None:
+    def _failed(self, what: str, e: Exception | None) -> None:  # a skip while the breaker is open is no failure
+        if e is None:
+            self._outage.answered(what, "fleet state: Redis answers again (%s)", what)
+        elif not isinstance(e, Open):
             metrics.child(metrics.FLEET_LOG_FAILURES, what).inc()
+            self._outage.failed(what, "fleet state: cannot %s the replicas' stream in Redis (%s: %s); this replica "
+                                "routes on what it sees itself until Redis answers", what, type(e).__name__, e)
 
     async def aclose(self) -> None:
         """Withdraw this process's load at once (a clean stop need not wait for the TTL)."""

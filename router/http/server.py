@@ -225,6 +225,8 @@ def run(args: argparse.Namespace) -> int:
     if args.workers is not None and args.workers < 1:
         print(f"--workers must be at least 1, got {args.workers}", file=sys.stderr)
         return 2
+    if tuning is not None and args.worker_index is None and (changed := tuning.model_dump(exclude_defaults=True)):
+        log.warning("lab tuning in effect (--tuning, not the config): %s", changed)
     if args.worker_index is None:
         from router.http.workers import Supervisor, worker_count
 
