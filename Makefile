@@ -151,7 +151,9 @@ bench-vllm: install vllm
 # log), into $(BENCH_OUT)/workers-{1,2,3replicas,3replicas-local}/WORKLOAD. The 1-worker run measures capacity
 # (--target-load 0.8); the others replay at its rate scale, so every setup gets the same load.
 # Each bench (one workload, one setup, ~1-4 min) takes the shared bench lock; BENCH_LOCK= if
-# the caller holds it already. ~25 min in all on 2 cores.
+# the caller holds it already. ~30 min in all on 2 cores. Synthetic runs in real time: at 4x its
+# 2.7k-token prompts kept ~75% of 2 cores busy (host_cpu_busy), and the engines' late steps, not
+# the routing, set the multi-process setups' tails.
 BENCH_LOCK ?= flock /tmp/kvr-bench.lock
 WORKER_SETUPS := "2:--router-workers 2" "3replicas:--router-replicas 3" \
   "3replicas-local:--router-replicas 3 --router-index memory"
@@ -168,7 +170,7 @@ bench-workers: install redis
 	$(call bench_workers,mooncake,--workload mooncake --max-requests 600 --speedup 4 --length-scale 0.25 \
 	  --output-scale 0.1 --cpu-offload-blocks 65536)
 	$(call bench_workers,sharegpt,--workload sharegpt --max-requests 300 --speedup 4)
-	$(call bench_workers,synthetic,--workload synthetic --max-requests 200 --speedup 4 --num-blocks 1024)
+	$(call bench_workers,synthetic,--workload synthetic --max-requests 200 --speedup 1 --num-blocks 1024)
 	$(call bench_workers,mixed-1001,--workload mixed --seed 1001 --max-requests 200 --speedup 4)
 	$(call bench_workers,mixed-1002,--workload mixed --seed 1002 --max-requests 200 --speedup 4)
 	$(call bench_workers,mixed-1003,--workload mixed --seed 1003 --max-requests 200 --speedup 4)

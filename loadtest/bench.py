@@ -62,7 +62,7 @@ from typing import Any
 import httpx
 
 from loadtest import capacity, report, workloads
-from loadtest.bench_replicas import Replicas, RouterShape, SpreadReplayer, parse_settings
+from loadtest.bench_replicas import Replicas, RouterShape, SpreadReplayer, parse_settings, parse_tuning
 from loadtest.fleet import (
     EngineFleet,
     Fleet,
@@ -315,6 +315,7 @@ def run_policy(workload: Workload, spec: FleetSpec | VllmSpec, policy: str, work
                            if k.startswith("kvrouter_") and not k.endswith(("_bucket", "_created"))},
         "scrape_failures": sampler.failures,
         "cpu_ms_per_request": cpu_ms,
+        "host_cpu_busy": cpu.host_busy,
     }
     if isinstance(router, Replicas):
         result["replica_decisions"] = router.decisions
@@ -336,19 +337,38 @@ class _CpuMeter:
     """CPU spent during a replay by the router, the engines and the bench's own client.
 
     On a 2-core machine they compete: a router that burns more CPU per request slows the
-    simulated engines' clock, which the client's TTFT sees and the engines' own does not
-    (the bench's "clock lag"). Per request, so runs of different lengths compare."""
+    simulated engines' clock (the bench's "clock lag"), and a late engine step is queueing the
+    engines' own TTFT counts too. Per request, so runs of different lengths compare; and
+    :attr:`host_busy`, the share of the host's cores they kept busy, says when the machine,
+    not the router, may have set the latencies (:data:`HOST_BUSY_WARN`)."""
 
     def __init__(self, router: list[int], engines: list[int]) -> None:
         self.pids = {"router": router, "engines": engines}
+        self.started = time.monotonic()
         self.start = self._read()
+        self.host_busy = 0.0
 
     def _read(self) -> dict[str, float]:
         return {"client": time.process_time(), **{k: sum(tree_cpu(p) for p in v) for k, v in self.pids.items()}}
 
     def per_request_ms(self, requests: int) -> dict[str, float]:
+        from router.http.workers import default_workers  # the cores this process may use (affinity, cgroup)
+
         end = self._read()
+        wall = time.monotonic() - self.started
+        self.host_busy = round(sum(end[k] - self.start[k] for k in end) / max(1e-9, wall * default_workers()), 3)
         return {k: round((end[k] - self.start[k]) * 1000 / max(1, requests), 3) for k in end}
+
+
+HOST_BUSY_WARN = 0.6
+"""Above this share of the host's cores busy, bursts find no idle core: lower ``--speedup``."""
+
+
+def host_warnings(runs: list[dict[str, Any]]) -> list[str]:
+    """One line per run whose router, engines and client kept the host too busy to trust."""
+    return [f"warning: {r['policy']} kept {r['host_cpu_busy']:.0%} of the host's CPUs busy: the machine, not the "
+            "router, may have set its latencies (use a lower --speedup)"
+            for r in runs if r.get("host_cpu_busy", 0.0) > HOST_BUSY_WARN]
 
 
 def _fleet(spec: FleetSpec | VllmSpec, workdir: Path, live: VllmFleet | None) -> contextlib.AbstractContextManager[EngineFleet]:
@@ -373,7 +393,8 @@ def _router(fleet: EngineFleet, policy: str, workdir: Path, weights: dict[str, A
     shape = shape or RouterShape()
     if shape.on_redis:
         return Replicas(fleet, policy, workdir, shape, weights)
-    return Router(fleet, policy, workdir, weights=weights, workers=shape.workers, settings=shape.settings)
+    return Router(fleet, policy, workdir, weights=weights, workers=shape.workers, settings=shape.settings,
+                  tuning=shape.tuning)
 
 
 def _engine_requests(engine_metrics: dict[str, dict[str, float]]) -> dict[str, int]:
@@ -696,7 +717,10 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "replicas: each follows the engines' events into its own index, sharing only load, decisions "
                         "and order through Redis (default: memory for one replica, redis for several)")
     p.add_argument("--router-setting", action="append", default=[], metavar="KEY=VALUE",
-                   help="another router config key for kvrouter's routers, e.g. share_worker_state=false (repeatable)")
+                   help="another router config key for kvrouter's routers, e.g. queue_busy_tokens=8192 (repeatable)")
+    p.add_argument("--router-tuning", action="append", default=[], metavar="KEY=VALUE",
+                   help="a lab knob of kvrouter's routers (router/tuning.py; not a config key), e.g. "
+                        "kv_aware.share_window=64 or defer_cold_prompts=false (repeatable)")
     add_workload_args(p)
 
 
@@ -724,7 +748,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
     if args.router_workers < 1 or args.router_replicas < 1:
         raise WorkloadError("--router-workers and --router-replicas must be >= 1")
     shape = RouterShape(args.router_workers, args.router_replicas, parse_settings(args.router_setting),
-                        redis_index=args.router_index == "redis",
+                        parse_tuning(args.router_tuning), redis_index=args.router_index == "redis",
                         local_index=args.router_index == "memory" and args.router_replicas > 1)
     exact = [p for p in policies if p in EXACT_STATE_POLICIES]
     if exact and isinstance(spec, VllmSpec):
@@ -788,5 +812,7 @@ def run(args: argparse.Namespace) -> int:
         console.print(report.rich_table(results["runs"], f"{opt.workload.name}: {opt.spec.backends} engines"))
         for line in report.comparison(results["runs"]):
             console.print(line)
+    for line in host_warnings(results["runs"]):
+        console.print(f"[yellow]{line}[/yellow]")
     console.print(f"report: {opt.out / 'report.md'}  results: {opt.out / 'results.json'}")
     return 0 if all(r["completed"] for r in results["runs"]) else 1

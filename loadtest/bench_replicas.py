@@ -41,6 +41,8 @@ class RouterShape:
     workers: int = 1
     replicas: int = 1
     settings: dict[str, Any] = field(default_factory=dict)
+    tuning: dict[str, Any] = field(default_factory=dict)
+    """The lab's knobs (router/tuning.py) every router of the run gets (``--tuning``)."""
     redis_index: bool = False
     """One replica on the Redis index too: separates what the index path costs from what
     spreading decisions over replicas costs (more than one replica always uses Redis)."""
@@ -62,6 +64,8 @@ class RouterShape:
             out["router_index"] = "redis (kvrouter indexer), load shared through Redis"
         if self.settings:
             out["router_settings"] = self.settings
+        if self.tuning:
+            out["router_tuning"] = self.tuning
         return out
 
 
@@ -85,6 +89,26 @@ def parse_settings(items: list[str]) -> dict[str, Any]:
     except ValidationError as e:
         err = e.errors()[0]
         raise WorkloadError(f"--router-setting {'.'.join(map(str, err['loc']))}: {err['msg']}") from e
+
+
+def parse_tuning(items: list[str]) -> dict[str, Any]:
+    """``["kv_aware.share_window=64", "defer_cold_prompts=false"]`` -> the lab's knobs
+    (router/tuning.py), checked by :class:`router.tuning.Tuning`; a dotted key sets a field of
+    a nested group. Values are YAML scalars, as in ``--router-setting``."""
+    from pydantic import ValidationError
+
+    from router.tuning import Tuning
+
+    nested: dict[str, Any] = {}
+    for key, value in key_values(items, "--router-tuning").items():
+        group, _, field_name = key.rpartition(".")
+        (nested.setdefault(group, {}) if group else nested)[field_name] = yaml.safe_load(value) if value else value
+    try:
+        Tuning(**nested)
+    except ValidationError as e:
+        err = e.errors()[0]
+        raise WorkloadError(f"--router-tuning {'.'.join(map(str, err['loc']))}: {err['msg']}") from e
+    return nested
 
 
 class Replicas:
@@ -141,7 +165,7 @@ class Replicas:
             self._stack.callback(indexer.stop)
             _wait_for_streams(f"http://127.0.0.1:{indexer.port}", len(self.fleet.engines), 10.0)
         for i in range(self.shape.replicas):
-            r = RouterChild(f"router-{self.policy}-{i}", config, self.workdir)
+            r = RouterChild(f"router-{self.policy}-{i}", config, self.workdir, self.shape.tuning)
             self._stack.callback(r.stop)
             self.routers.append(r.start())
 

@@ -8,6 +8,7 @@ Ctrl-C, because the context managers own them.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -305,7 +306,7 @@ class EngineFleet:
                       settings: dict[str, Any] | None = None) -> dict[str, Any]:
         """A whole router config for this fleet with one policy (one router process unless
         ``workers`` says otherwise: the bench compares policies, not process counts);
-        ``settings``: more ``router`` keys (e.g. ``share_worker_state``)."""
+        ``settings``: more ``router`` keys (e.g. ``expose_decision_headers``)."""
         router: dict[str, Any] = {**(settings or {}), "host": "127.0.0.1", "port": port, "policy": policy,
                                   "workers": workers}
         if weights:
@@ -373,13 +374,15 @@ class Router(_RouterProcess):
     """``kvrouter serve`` for a :class:`Fleet` with one policy, on a free port."""
 
     def __init__(self, fleet: EngineFleet, policy: str, workdir: Path, *, weights: dict[str, Any] | None = None,
-                 workers: int = 1, settings: dict[str, Any] | None = None) -> None:
+                 workers: int = 1, settings: dict[str, Any] | None = None,
+                 tuning: dict[str, Any] | None = None) -> None:
         self.fleet = fleet
         self.policy = policy
         self.workdir = workdir
         self.weights = weights
         self.workers = workers
         self.settings = settings
+        self.tuning = tuning
 
     def _spawn(self) -> list[str]:
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -388,6 +391,8 @@ class Router(_RouterProcess):
         cfg_path.write_text(yaml.safe_dump(self.fleet.router_config(self.policy, self.port, self.weights, self.workers,
                                                                  self.settings)))
         args = [*KVROUTER, "serve", "--config", str(cfg_path), "--port", str(self.port), "--policy", self.policy]
+        if self.tuning:
+            args += ["--tuning", json.dumps(self.tuning)]
         self.child = Child(f"router-{self.policy}", args, self.workdir / f"router-{self.policy}.log", LAB_POLICIES)
         return [self.url + "/health"]
 
