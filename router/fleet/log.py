@@ -100,7 +100,7 @@ def _shift(counters: list[int], d: Load | list[int], sign: int = 1) -> None:
 
 def coalesce(records: list[Record]) -> list[Record]:
     """The same fold in fewer records: the :class:`Changed` summed per backend, each sum placed
-    before the next snapshot (which holds them) or last (a replica's batch of 2 ms)."""
+    before the next snapshot (which holds them) or last: one per backend, not two per request."""
     out: list[Record] = []
     sums: dict[str, list[int]] = {}
     for r in records:

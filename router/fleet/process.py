@@ -7,7 +7,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from router.fleet.log import SNAPSHOT_S, FleetState, Load, Record, Snapshot, encode
+from router.fleet.log import SNAPSHOT_S, Changed, FleetState, Load, Record, Snapshot, coalesce, encode
 from router.fleet.ring import Ring
 from router.fleet.stream import FleetStream
 
@@ -23,14 +23,27 @@ class FleetLog:
         self._snapshot = snapshot
         self.host = host  # between the workers of this host
         self.fleet = fleet  # between replicas
+        self._pending: list[Record] = []  # for the ring, at the end of this loop callback
 
     def append(self, record: Record, *, to_fleet: bool = True) -> None:
         """``to_fleet=False``: the host's workers only (a verdict, a scrape or a committed decision).
-        The ring gets every record at once: another worker's next decision weighs it."""
+        The ring gets load changes once per loop iteration (without a loop, at once), summed."""
         if self.host is not None:
-            self.host.append(encode([record]))
+            self._pending.append(record)
+            if type(record) is not Changed:  # a decision reaches the other workers before their next one
+                self.flush()
+            elif len(self._pending) == 1:
+                try:
+                    asyncio.get_running_loop().call_soon(self.flush)
+                except RuntimeError:
+                    self.flush()
         if self.fleet is not None and to_fleet:
             self.fleet.append([record])
+
+    def flush(self) -> None:
+        if self._pending and self.host is not None:
+            self.host.append(encode(coalesce(self._pending)))
+            self._pending = []
 
     def catch_up(self) -> None:
         """Fold what the host's other workers appended (the stream is folded as it arrives)."""
