@@ -23,7 +23,7 @@ class FleetLog:
         self._snapshot = snapshot
         self.host = host  # between the workers of this host
         self.fleet = fleet  # between replicas
-        self._pending: list[Record] = []  # for the ring, at the end of this loop callback
+        self._pending: list[Record] = []  # for the ring, written at the end of this loop iteration
 
     def append(self, record: Record, *, to_fleet: bool = True) -> None:
         """``to_fleet=False``: the host's workers only (a verdict, a scrape or a committed decision).
