@@ -170,6 +170,25 @@ def test_the_side_channel_is_served_only_with_debug_state(sim_fleet) -> None:
     assert after["predicted_ttft_s"] < answer["predicted_ttft_s"] / 3
 
 
+def test_the_side_channel_has_its_own_port_off_the_event_loop(sim_fleet) -> None:
+    """``GET /debug/state`` names a ``state_url`` on another port (a thread of the simulator, so a
+    question does not wait behind the process's token streams); it answers what the engine's
+    port answers, and a bad question there gets a 400 in vLLM's error shape."""
+    sim = sim_fleet("--debug-state")
+    state_url = httpx.get(sim.http() + "/debug/state").json()["state_url"]
+    assert state_url.endswith("/debug/state") and not state_url.startswith(sim.http())
+    ids = list(range(1000, 3000))
+    r = httpx.post(sim.http() + "/v1/completions", json={"model": MODEL, "prompt": ids, "max_tokens": 1}, timeout=30)
+    assert r.status_code == 200
+    on_loop = _ask(sim.http(), ids + [7] * 40)
+    off_loop = _ask(state_url.removesuffix("/debug/state"), ids + [7] * 40)
+    assert off_loop["cached_blocks"] == on_loop["cached_blocks"] == {"gpu": len(ids) // 16, "cpu": 0}
+    assert off_loop["received"] == on_loop["received"] == 1 and off_loop["load"] == on_loop["load"]
+    bad = httpx.post(state_url, content=b'{"prompt": 5}', headers={"content-type": "application/json"}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == 400
+    assert httpx.post(state_url.replace("/debug/state", "/nope"), json={}, timeout=30).status_code == 404
+
+
 def test_one_request_asks_every_engine_of_a_process(sim_fleet) -> None:
     sim = sim_fleet("--debug-state", instances=2)
     infos = [httpx.get(sim.http(i) + "/debug/state").json() for i in range(2)]

@@ -14,7 +14,11 @@ Those policies exist to measure routing in the simulator, never to route real en
 start otherwise, naming the backend.
 
 The engines of one ``kvrouter sim`` process are asked in one request (the side channel
-names its process), which also makes their answers one instant's.
+names its process), which also makes their answers one instant's. The request goes to the
+``state_url`` that ``GET /debug/state`` names, a thread of the simulator that answers without
+waiting behind its event loop (:mod:`loadtest.sim.state_server`): a decision's question then
+costs milliseconds of wall time, not the loop's backlog, and the oracle keeps up with the
+loads a capacity sweep offers.
 
 Requests in transit: the channel counts the requests this router sent to each engine
 and keeps the last few prompts; each question carries those the engine may not have
@@ -27,12 +31,14 @@ the same simulator process, which remembers it.
 from __future__ import annotations
 
 import asyncio
+import http.client
 import logging
 import random
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 import msgspec
@@ -104,18 +110,15 @@ class SideChannel:
         self._received = dict.fromkeys(backends, 0)
         self._recent: dict[str, deque[tuple[int, float, int]]] = {b: deque(maxlen=AHEAD_KEPT) for b in backends}
         self._index: dict[str, int] = {}
+        self._ask_urls: dict[str, str] = {}
+        """Where each backend answers questions: off its event loop where it says so (``state_url``)."""
         self._groups: list[list[str]] = []
         """Backends by simulator process: each group is asked in one request."""
         self._prompts: OrderedDict[int, int] = OrderedDict()
         """Each decision's prompt id (what the engines remember it by), by its key, until it is
         sent (bounded: ``/debug/route`` decides without sending)."""
-        self._deciding = asyncio.Lock()
-        """One question at a time, so each decision is atomic: the router calls ``choose``
-        and :meth:`sent` with no await after :meth:`ask` returns, so the next question (which
-        waits here) already carries this one's prompt as in transit. Without it, requests
-        arriving within one round trip all saw the same state and piled onto the same engine
-        (on Mooncake, ~20 ms round trips at 9 req/s: the exact-state policies did worse than
-        kv_aware, whose decisions never await)."""
+        self._conns: dict[str, http.client.HTTPConnection] = {}
+        """One keep-alive connection per simulator process, used from the router's loop thread only."""
         self._next_id = random.getrandbits(40) << 20
         """Prompt ids: random high bits, so two clients of one simulator never share one."""
 
@@ -135,6 +138,7 @@ class SideChannel:
                         why = f"answered {r.status} to GET {STATE_PATH}"
                     else:
                         self._received[name] = int(body["received"])
+                        self._ask_urls[name] = str(body.get("state_url") or url + STATE_PATH)
                         self._index[name] = int(body["index"])
                         groups.setdefault(str(body["process"]), []).append(name)
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError) as e:
@@ -148,6 +152,9 @@ class SideChannel:
         self._groups = list(groups.values())
 
     async def aclose(self) -> None:
+        for conn in self._conns.values():
+            conn.close()
+        self._conns.clear()
         if self.session is not None:
             await self.session.close()
             self.session = None
@@ -166,8 +173,7 @@ class SideChannel:
         self._prompts[key] = pid
         if len(self._prompts) > 4 * AHEAD_KEPT:
             self._prompts.popitem(last=False)
-        async with self._deciding:
-            answers = await asyncio.gather(*(self._ask(names, prompt) for names in self._groups))
+        answers = [self._ask(names, prompt) for names in self._groups]
         return {name: state for names, states in zip(self._groups, answers) for name, state in zip(names, states)}
 
     def sent(self, key: int, backend: str) -> None:
@@ -179,9 +185,17 @@ class SideChannel:
         if pid is not None:
             self._recent[backend].append((self._sent[backend], time.monotonic(), pid))
 
-    async def _ask(self, names: list[str], prompt: bytes) -> list[EngineState | None]:
-        """One simulator process's engines ``names``, in one request to the first of them."""
-        assert self.session is not None, "SideChannel.start() was not called"
+    def _ask(self, names: list[str], prompt: bytes) -> list[EngineState | None]:
+        """One simulator process's engines ``names``, in one request to the first of them.
+
+        A blocking call on the router's event loop, on purpose: a decision is atomic when
+        nothing awaits between the question and :meth:`sent` (the next question then carries
+        this one's prompt as in transit), and the answer comes from the simulator's state
+        thread in a few milliseconds. Asked with ``await``, each decision also waited for the
+        router's loop to come round three times (send, answer, the next decider's turn), and a
+        loop carrying every token stream at four times real speed took tens of milliseconds a
+        turn: the oracle then decided fewer requests per second than a capacity sweep offers,
+        and its client TTFT measured that queue instead of its placement."""
         engines = []
         recent_since = time.monotonic() - IN_TRANSIT_S
         for name in names:
@@ -190,14 +204,21 @@ class SideChannel:
                               if n > received and t > recent_since)
             engines.append(b'{"index":%d,"ahead":[%b]}' % (self._index[name], ahead))
         payload = b'{"prompt":%b,"engines":[%b]}' % (prompt, b",".join(engines))
+        url = urlsplit(self._ask_urls[names[0]])
+        conn = self._conns.get(url.netloc)
+        if conn is None:
+            conn = self._conns[url.netloc] = http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port, timeout=self.timeout_s)
         try:
-            async with self.session.post(self.urls[names[0]] + STATE_PATH, data=payload,
-                                         headers={"content-type": "application/json"}) as r:
-                if r.status != 200:
-                    log.warning("engine state of %s: HTTP %d %s", names, r.status, (await r.text())[:200])
-                    return [None] * len(names)
-                answers = (await r.json(content_type=None))["engines"]
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError) as e:
+            conn.request("POST", url.path, body=payload, headers={"content-type": "application/json"})
+            r = conn.getresponse()
+            data = r.read()
+            if r.status != 200:
+                log.warning("engine state of %s: HTTP %d %s", names, r.status, data[:200])
+                return [None] * len(names)
+            answers = msgspec.json.decode(data)["engines"]
+        except (OSError, http.client.HTTPException, msgspec.DecodeError, KeyError, TypeError) as e:
+            conn.close()
+            self._conns.pop(url.netloc, None)
             log.warning("engine state of %s: %r", names, e)
             return [None] * len(names)
         out: list[EngineState | None] = []

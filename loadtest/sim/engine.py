@@ -17,6 +17,10 @@ durations; wall time is engine time / ``speedup``. When the process cannot keep 
 engine time falls behind wall time by ``lag`` (exported as a metric) instead of
 silently stretching steps.
 
+Every change to an engine's state is made under :data:`STATE_LOCK`: the bench's side channel
+(:mod:`loadtest.sim.state_server`) reads the engines from its own thread, so that its answers
+do not wait behind the event loop's backlog of token streams.
+
 Admission waits when the pool cannot hold a request's whole lifetime (prompt +
 planned output) next to what running requests still need; vLLM would admit and
 preempt later, this simulator never preempts.
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -39,6 +44,11 @@ from loadtest.sim.metrics import EngineMetrics
 
 FINISHED = None
 """Sentinel pushed to a request's sink after its last token."""
+
+
+STATE_LOCK = threading.Lock()
+"""Held by every change to the state of this process's engines and by the side channel's reads
+(one lock for all of them: an answer reads every engine of the process at one instant)."""
 
 
 class EngineDead(RuntimeError):
@@ -159,33 +169,39 @@ class Engine:
         return req.prompt_len + len(req.planned.token_ids)
 
     def add(self, req: SimRequest) -> None:
-        req.arrival = self.now()
-        self.received += 1
-        self.waiting.append(req)
+        with STATE_LOCK:
+            req.arrival = self.now()
+            self.received += 1
+            self.waiting.append(req)
         self._wake.set()
 
     def abort(self, req: SimRequest) -> None:
         """Drop a request (client gone): its blocks are freed like a finished one's."""
         if req.done:
             return
-        req.done = True
-        if req in self.waiting:
-            self.waiting.remove(req)
-        elif req in self.running:
-            self.running.remove(req)
-            self.bm.free(req.cache)
+        with STATE_LOCK:
+            req.done = True
+            if req in self.waiting:
+                self.waiting.remove(req)
+            elif req in self.running:
+                self.running.remove(req)
+                self.bm.free(req.cache)
         self._wake.set()
 
     def kill(self) -> None:
         """Fail every request in flight (the engine died)."""
-        for req in [*self.waiting, *self.running]:
-            req.done = True
+        with STATE_LOCK:
+            dead = [*self.waiting, *self.running]
+            for req in dead:
+                req.done = True
+            self.waiting.clear()
+            self.running.clear()
+        for req in dead:
             req.sink.put_nowait((req.index, EngineDead("engine died")))
-        self.waiting.clear()
-        self.running.clear()
 
     def reset_prefix_cache(self) -> bool:
-        ok = self.bm.reset_prefix_cache()
+        with STATE_LOCK:
+            ok = self.bm.reset_prefix_cache()
         if ok:
             self._flush_events()
         return ok
@@ -323,23 +339,26 @@ class Engine:
             # Back-to-back steps chain on engine time, so a process that cannot keep up
             # shows as lag instead of as longer steps.
             start = self.clock if busy else self.now()
-            scheduled, duration = self.schedule(start) if (self.waiting or self.running) else ([], 0.0)
+            with STATE_LOCK:
+                scheduled, duration = self.schedule(start) if (self.waiting or self.running) else ([], 0.0)
+                end = start + duration
+                if scheduled:
+                    self.in_step = (scheduled, end)
             if not scheduled:
                 busy = False
                 self._wake.clear()
                 await self._wake.wait()
                 continue
             busy = True
-            end = start + duration
-            self.in_step = (scheduled, end)
             delay = self._t0 + end / speedup - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
-            self.clock = end
-            self.lag = max(0.0, self.wall_engine_time() - end)
+            with STATE_LOCK:
+                self.clock = end
+                self.lag = max(0.0, self.wall_engine_time() - end)
+                self.steps += 1
+                self.busy_engine_s += duration
+                self.complete(scheduled, end)
+                self.in_step = None
             if self.metrics is not None:
                 self.metrics.clock_lag.set(self.lag)
-            self.steps += 1
-            self.busy_engine_s += duration
-            self.complete(scheduled, end)
-            self.in_step = None

@@ -27,6 +27,7 @@ from loadtest.sim.generation import OutputGenerator
 from loadtest.sim.http import create_app
 from loadtest.sim.metrics import EngineMetrics
 from loadtest.sim.publisher import EventPublisher
+from loadtest.sim.state_server import StateServer
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +93,9 @@ class Instance:
         """Every engine of this process by index (the side channel answers for all of them at once)."""
         self.process_id = ""
         """Names this process to side-channel clients, so they can ask its engines in one request."""
+        self._state_server: StateServer | None = None
+        self.state_url: str | None = None
+        """Where the side channel is answered off the event loop (``--debug-state``; :mod:`loadtest.sim.state_server`)."""
         self.app = create_app(self)
 
     async def start(self) -> None:
@@ -124,6 +128,9 @@ class Instance:
                 self._tasks[1].result()
                 raise RuntimeError(f"HTTP server of instance {spec.index} exited at start")
             await asyncio.sleep(0.01)
+        if s.debug_state:
+            self._state_server = StateServer(spec.host, self.app.state.answer_state)
+            self.state_url = self._state_server.url
         self.up = True
         log.info("instance %d up: http %d kv-events %s replay %s", spec.index, spec.port, spec.kv_events_port, spec.replay_port)
 
@@ -131,6 +138,9 @@ class Instance:
         """Die: in-flight requests fail, sockets close, the cache is gone."""
         self.up = False
         self.engine.kill()
+        if self._state_server is not None:
+            server, self._state_server, self.state_url = self._state_server, None, None
+            await asyncio.to_thread(server.close)
         if self._server is not None:
             self._server.should_exit = True
             self._server.force_exit = True

@@ -36,7 +36,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
 from indexer.hashing import to_int64
-from loadtest.sim.engine import FINISHED, EngineDead, SimRequest
+from loadtest.sim.engine import FINISHED, STATE_LOCK, EngineDead, SimRequest
 from loadtest.sim.faults import FaultUpdate
 from loadtest.sim.state import (
     KNOWN_PROMPTS,
@@ -69,9 +69,16 @@ _state_decoder = msgspec.json.Decoder(StateAsk)
 (that check cost more than the forward run on long prompts)."""
 
 
+def _error(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": _ERROR_TYPES.get(status, "Error"), "param": param, "code": status}}
+
+
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": _ERROR_TYPES.get(status, "Error"), "param": param, "code": status}}
-    return JSONResponse(body, status_code=status)
+    return JSONResponse(_error(status, message, param), status_code=status)
+
+
+def error_body(status: int, message: str, param: str | None = None) -> bytes:
+    return _json.encode(_error(status, message, param))
 
 
 async def _body(request: Request) -> dict[str, Any]:
@@ -339,37 +346,51 @@ def create_app(inst: Instance) -> FastAPI:
                 out.append(prompt)
             return out
 
-        @app.get("/debug/state")
-        async def state_info() -> dict[str, Any]:
-            return {"side_channel": "kvrouter-sim", "received": inst.engine.received,
-                    "block_size": inst.config.block_size, "process": inst.process_id, "index": inst.spec.index}
-
-        @app.post("/debug/state")
-        async def state(request: Request) -> Response:
+        def answer_state(raw: bytes) -> tuple[int, bytes]:
             """:class:`StateAsk`: the state of every listed engine of this process at one instant
             (``engines`` left out: this one, with the top-level ``ahead``). ``ahead`` are the
             client's k-th requests to that engine, for those it may not have received yet, each
             as a prompt or as the ``id`` of a prompt asked about before. Answers
-            ``{"engines": [...]}`` in the same order, null for an engine that is down."""
+            ``{"engines": [...]}`` in the same order, null for an engine that is down; a bad
+            question gets a 400 in vLLM's error shape. Called from the side channel's own thread
+            (:mod:`loadtest.sim.state_server`) and from ``POST /debug/state`` on the engine's port."""
             try:
-                ask = _state_decoder.decode(await request.body())
+                ask = _state_decoder.decode(raw)
+                t0 = time.perf_counter()
+                with STATE_LOCK:
+                    asks = ask.engines if ask.engines is not None else [StateEngine(inst.spec.index, ask.ahead)]
+                    prompt = state_prompt(ask.prompt)
+                    answers: list[dict[str, Any] | None] = []
+                    for a in asks:
+                        peer = inst.peers.get(a.index)
+                        if peer is None or not peer.up:
+                            answers.append(None)
+                            continue
+                        engine = peer.engine
+                        answers.append(snapshot(engine, prompt, ahead_prompts(a.ahead, engine.received)))
+                inst.metrics.state_seconds.observe(time.perf_counter() - t0)
+                return 200, _json.encode({"engines": answers})
             except msgspec.ValidationError as e:
-                raise ApiError(400, f"bad side-channel question: {e}") from e
+                return 400, error_body(400, f"bad side-channel question: {e}")
             except msgspec.DecodeError as e:
-                raise ApiError(400, f"JSON decode error: {e}") from e
-            t0 = time.perf_counter()
-            asks = ask.engines if ask.engines is not None else [StateEngine(inst.spec.index, ask.ahead)]
-            prompt = state_prompt(ask.prompt)
-            answers: list[dict[str, Any] | None] = []
-            for a in asks:
-                peer = inst.peers.get(a.index)
-                if peer is None or not peer.up:
-                    answers.append(None)
-                    continue
-                engine = peer.engine
-                answers.append(snapshot(engine, prompt, ahead_prompts(a.ahead, engine.received)))
-            inst.metrics.state_seconds.observe(time.perf_counter() - t0)
-            return Response(_json.encode({"engines": answers}), media_type="application/json")
+                return 400, error_body(400, f"JSON decode error: {e}")
+            except ApiError as e:
+                return e.status, error_body(e.status, e.message, e.param)
+            except TokenizeError as e:
+                return 400, error_body(400, str(e))
+
+        app.state.answer_state = answer_state
+
+        @app.get("/debug/state")
+        async def state_info() -> dict[str, Any]:
+            return {"side_channel": "kvrouter-sim", "received": inst.engine.received,
+                    "block_size": inst.config.block_size, "process": inst.process_id, "index": inst.spec.index,
+                    "state_url": inst.state_url}
+
+        @app.post("/debug/state")
+        async def state(request: Request) -> Response:
+            status, body = answer_state(await request.body())
+            return Response(body, status_code=status, media_type="application/json")
 
     # -- generation ---------------------------------------------------------------------
 
