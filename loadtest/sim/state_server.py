@@ -16,6 +16,7 @@ server would share the loop this exists to avoid.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -23,6 +24,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 log = logging.getLogger(__name__)
 
 PATH = "/debug/state"
+SWITCH_INTERVAL_S = 0.0005
 MAX_BODY = 64 << 20
 """A question carries one prompt's token ids and a few ids in transit: far below this."""
 
@@ -33,6 +35,10 @@ class StateServer:
     """Serves ``POST /debug/state`` with ``answer`` on ``host`` and a free port, on daemon threads."""
 
     def __init__(self, host: str, answer: Answer) -> None:
+        # The event loop's thread holds the GIL while it runs, handing it over every switch
+        # interval (5 ms by default) to a thread that waits; a question waits for it at each of
+        # its reads and writes. 0.5 ms keeps an answer to a few milliseconds on a busy process.
+        sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
         handler = type("_StateHandler", (_Handler,), {"answer": staticmethod(answer)})
         self._server = ThreadingHTTPServer((host, 0), handler)
         self._server.daemon_threads = True
