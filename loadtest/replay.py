@@ -31,7 +31,7 @@ from typing import Any
 import httpx
 
 from loadtest import workloads
-from loadtest.workloads import Session, Turn, Workload, WorkloadError
+from loadtest.workloads import Session, Turn, Workload, WorkloadError, tenant_of
 
 BACKEND_HEADER = "x-kvrouter-backend"
 REASON_HEADER = "x-kvrouter-reason"
@@ -116,7 +116,22 @@ def summarize(records: list[RequestRecord], wall_s: float, time_scale: float = 1
         "cached_tokens": cached,
         "cached_ratio": cached / prompt if prompt else 0.0,
         "backend_requests": dict(sorted(Counter(r.backend for r in records).items())),
+        **({"tenants": _tenants(records, scale)} if any(tenant_of(r.session_id) for r in records) else {}),
     }
+
+
+def _tenants(records: list[RequestRecord], scale: float) -> dict[str, dict[str, Any]]:
+    """The noisy tenant (``tenant-0`` of the mixed workload's ``noisy_tenant``) against the others:
+    what fairness between tenants is judged on."""
+    groups: dict[str, list[RequestRecord]] = {}
+    for r in records:
+        groups.setdefault("tenant-0" if tenant_of(r.session_id) == "tenant-0" else "others", []).append(r)
+    out = {}
+    for name, rs in sorted(groups.items()):
+        ok = [r for r in rs if r.ok]
+        out[name] = {"requests": len(rs), "completed": len(ok), "rejected_429": sum(r.status == 429 for r in rs),
+                     "ttft_s": percentiles([r.ttft_s * scale for r in ok if r.ttft_s is not None])}
+    return out
 
 
 class Replayer:
@@ -365,6 +380,9 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mix", action="append", default=[], metavar="KEY=VALUE",
                    help="mixed: one of the mixed workload's knobs (loadtest.workloads.MixedSpec), repeatable: "
                         "e.g. agent=0.5, context_tokens=16384, burst_factor=8")
+    p.add_argument("--drop-tenant", default=None, metavar="NAME",
+                   help="replay without the sessions of this tenant, e.g. tenant-0: the other tenants' "
+                        "traffic as it is without a noisy neighbour (mixed with --mix noisy_tenant=X)")
 
 
 def load_workload(args: argparse.Namespace, path: str, fmt: str | None) -> Workload:
@@ -377,8 +395,9 @@ def load_workload(args: argparse.Namespace, path: str, fmt: str | None) -> Workl
                 "max_output_tokens": args.max_output_tokens}
     elif fmt == "mixed":
         opts = {"mix": key_values(args.mix, "--mix")}
-    return workloads.load(path, fmt, seed=args.seed, max_requests=args.max_requests,
-                          tokenizer_path=args.tokenizer, **opts)
+    wl = workloads.load(path, fmt, seed=args.seed, max_requests=args.max_requests,
+                        tokenizer_path=args.tokenizer, **opts)
+    return workloads.without_tenant(wl, args.drop_tenant) if args.drop_tenant else wl
 
 
 def key_values(items: list[str], flag: str) -> dict[str, str]:

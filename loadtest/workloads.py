@@ -398,6 +398,21 @@ TUNING_SEEDS: tuple[int, ...] = (0, 1, 2, 3, 4)
 HELD_OUT_SEEDS: tuple[int, ...] = (1001, 1002, 1003, 1004, 1005)
 """Seeds of the mixed workload kept for measurement: report these only, never tune on them."""
 MIXED_KINDS = ("chat", "agent", "rag", "oneoff")
+TENANT_MARK = "@"
+"""Separates a session id from its tenant's name (``mx-chat-7@tenant-0``; ``noisy_tenant`` only)."""
+
+
+def tenant_of(session_id: str) -> str | None:
+    """The tenant a session id names, if any."""
+    return session_id.rpartition(TENANT_MARK)[2] if TENANT_MARK in session_id else None
+
+
+def without_tenant(wl: Workload, tenant: str) -> Workload:
+    """``wl`` less the sessions of ``tenant``: the other tenants' traffic as it would be without it."""
+    kept = [s for s in wl.sessions if tenant_of(s.session_id) != tenant]
+    if len(kept) == len(wl.sessions):
+        raise WorkloadError(f"no session of tenant {tenant!r} to leave out (the mixed workload names tenants with --mix noisy_tenant=X)")
+    return replace(wl, sessions=kept, name=f"{wl.name} without {tenant}")
 
 
 def seed_set(seed: int) -> str:
@@ -424,6 +439,11 @@ class MixedSpec:
     oneoff: float = 0.15
     tenants: int = 12
     tenant_skew: float = 1.0
+    noisy_tenant: float = 0.0
+    """Above 0: every session belongs to a tenant, named in its body's ``user`` (what the router's
+    queue takes turns between) and in its session id (``...@tenant-N``), and ``tenant-0`` starts
+    this many times the sessions of each other tenant (uniform among themselves), a noisy
+    neighbour. 0: tenants by Zipf popularity (``tenant_skew``), chats and RAG only, unnamed."""
     system_tokens: int = 1024
     chat_turns: float = 4.0
     user_tokens: int = 200
@@ -498,8 +518,8 @@ class MixedSpec:
             raise WorkloadError("mixed workload: chat_turns and agent_steps are means of at least 1")
         if not 0 <= self.docs_per_request <= self.docs:
             raise WorkloadError("mixed workload: need 0 <= docs_per_request <= docs")
-        if min(self.think_s, self.agent_think_s, self.tenant_skew, self.context_skew, self.doc_skew) < 0:
-            raise WorkloadError("mixed workload: think times and skews must be >= 0")
+        if min(self.think_s, self.agent_think_s, self.tenant_skew, self.context_skew, self.doc_skew, self.noisy_tenant) < 0:
+            raise WorkloadError("mixed workload: think times, skews and noisy_tenant must be >= 0")
         if self.form not in ("ids", "chat"):
             raise WorkloadError("mixed workload: form is ids or chat")
 
@@ -550,7 +570,8 @@ def mixed(
             break
         kind = gen.kind()
         turns = gen.session(kind, len(sessions))
-        sessions.append(Session(f"mx-{kind}-{len(sessions)}", start, turns))
+        tenant = f"{TENANT_MARK}{gen.user}" if gen.user is not None else ""
+        sessions.append(Session(f"mx-{kind}-{len(sessions)}{tenant}", start, turns))
         total += len(turns)
     wl = _finish("mixed", sessions, 0, "mixed")
     wl.name = f"mixed (seed {seed}, {seed_set(seed)})"
@@ -585,7 +606,10 @@ class _MixedGen:
         self.src = src
         mean_turns = {"chat": spec.chat_turns, "agent": spec.agent_steps, "rag": 1.0, "oneoff": 1.0}
         self.kind_weights = [getattr(spec, k) / mean_turns[k] for k in MIXED_KINDS]
-        self.tenant_weights = [1.0 / (r + 1) ** spec.tenant_skew for r in range(spec.tenants)]
+        self.tenant_weights = ([spec.noisy_tenant] + [1.0] * (spec.tenants - 1) if spec.noisy_tenant > 0 else
+                               [1.0 / (r + 1) ** spec.tenant_skew for r in range(spec.tenants)])
+        self.user: str | None = None
+        """The tenant of the session being built, named in its bodies (``noisy_tenant`` only)."""
         self.context_weights = [1.0 / (r + 1) ** spec.context_skew for r in range(spec.contexts)]
         self.doc_weights = [1.0 / (r + 1) ** spec.doc_skew for r in range(spec.docs)]
         self.system_len = [self.length(spec.system_tokens) for _ in range(spec.tenants)]
@@ -610,8 +634,9 @@ class _MixedGen:
 
     def session(self, kind: str, sid: int) -> tuple[Turn, ...]:
         s, rng = self.spec, self.rng
+        t = rng.choices(range(s.tenants), weights=self.tenant_weights)[0] if kind in ("chat", "rag") or s.noisy_tenant > 0 else 0
+        self.user = f"tenant-{t}" if s.noisy_tenant > 0 else None
         if kind == "chat":
-            t = rng.choices(range(s.tenants), weights=self.tenant_weights)[0]
             prefix = [("system", self.segment(("tenant", t), self.system_len[t]))]
             return self._dialogue(prefix, sid, self.count(s.chat_turns), s.user_tokens, s.answer_tokens, s.think_s)
         if kind == "agent":
@@ -622,7 +647,6 @@ class _MixedGen:
             return self._dialogue(prefix, sid, self.count(s.agent_steps), s.tool_tokens, s.agent_output_tokens,
                                   s.agent_think_s, first=s.task_tokens)
         if kind == "rag":
-            t = rng.choices(range(s.tenants), weights=self.tenant_weights)[0]
             docs = _weighted_sample(rng, s.docs, self.doc_weights, s.docs_per_request)
             parts = [("system", self.segment(("tenant", t), self.system_len[t]))]
             parts += [("user", self.segment(("doc", d), self.doc_len[d])) for d in docs]
@@ -659,6 +683,8 @@ class _MixedGen:
             body = {"messages": _merge_roles(parts)}
             path = CHAT
         body.update({"max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0})
+        if self.user is not None:
+            body["user"] = self.user
         return Turn(path, body, think_s)
 
 

@@ -124,3 +124,20 @@ def test_cli_bad_trace_is_a_clear_error(tmp_path: Path) -> None:
     assert r.returncode == 2
     assert "no usable request" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_the_summary_splits_the_noisy_tenant_from_the_others() -> None:
+    """Sessions that name a tenant (the mixed workload's ``noisy_tenant``) are summarised as
+    tenant-0 against the others: TTFT p90 of those served, and the 429s each got."""
+    from loadtest.replay import RequestRecord, summarize
+
+    def rec(sid: str, ttft: float | None, status: int = 200) -> RequestRecord:
+        return RequestRecord(sid, 0, 0.0, ok=status == 200, status=status, ttft_s=ttft)
+
+    records = [rec(f"mx-chat-{i}@tenant-0", 1.0 + i) for i in range(10)] + [rec("mx-rag-90@tenant-0", None, 429)]
+    records += [rec(f"mx-agent-{i}@tenant-{1 + i % 3}", 0.1 * (i + 1)) for i in range(10)]
+    tenants = summarize(records, wall_s=10.0, time_scale=2.0)["tenants"]
+    assert tenants["tenant-0"]["requests"] == 11 and tenants["tenant-0"]["rejected_429"] == 1
+    assert tenants["tenant-0"]["completed"] == 10 and tenants["others"]["completed"] == 10
+    assert tenants["others"]["ttft_s"]["p90"] == pytest.approx(2 * percentiles([0.1 * (i + 1) for i in range(10)])["p90"])
+    assert "tenants" not in summarize([rec("s1", 0.5)], wall_s=1.0)

@@ -276,3 +276,26 @@ def test_mixed_knobs_from_the_command_line_are_parsed_and_checked(tmp_path: Path
     assert w.detect_format(path) == "mixed"
     wl = w.load(path, seed=1001, max_requests=30, mix={"oneoff": "1", "chat": "0", "agent": "0", "rag": "0"})
     assert wl.num_requests == 30 and {_kind(s) for s in wl.sessions} == {"oneoff"}
+
+
+def test_a_noisy_tenant_names_every_session_and_starts_x_times_each_others_sessions() -> None:
+    """``noisy_tenant=X``: every body names its tenant in ``user`` (what the router's queue takes
+    turns between) and every session id carries it; tenant-0 starts ~X times the sessions of each
+    other tenant. Leaving tenant-0 out keeps the others' sessions exactly as they were."""
+    spec = w.MixedSpec(noisy_tenant=10.0)
+    wl = w.mixed(spec, seed=3, max_requests=2000)
+    tenants = [w.tenant_of(s.session_id) for s in wl.sessions]
+    assert all(t is not None and t.startswith("tenant-") for t in tenants)
+    assert all(turn.body["user"] == w.tenant_of(s.session_id) for s in wl.sessions for turn in s.turns)
+    noisy = tenants.count("tenant-0")
+    others = (len(tenants) - noisy) / (spec.tenants - 1)
+    assert 6 < noisy / others < 16
+    quiet = w.without_tenant(wl, "tenant-0")
+    assert [s for s in wl.sessions if w.tenant_of(s.session_id) != "tenant-0"] == quiet.sessions
+    with pytest.raises(w.WorkloadError, match="no session of tenant"):
+        w.without_tenant(quiet, "tenant-0")
+    # Off (the default), bodies name no tenant and the workload is what it always was.
+    plain = w.mixed(w.MixedSpec(), seed=3, max_requests=200)
+    assert all("user" not in t.body and "@" not in s.session_id for s in plain.sessions for t in s.turns)
+    with pytest.raises(w.WorkloadError, match="noisy_tenant"):
+        w.MixedSpec(noisy_tenant=-1.0).validate()
