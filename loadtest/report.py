@@ -255,6 +255,12 @@ def write_markdown(path: Path, meta: dict[str, Any], runs: list[dict[str, Any]],
     lines += [f"- {k}: {v}" for k, v in meta.items()]
     lines += ["", markdown_table(runs), ""]
     lines += [f"- {s}" for s in comparison(runs)]
+    tenants = [(r["policy"], r["tenants"]) for r in runs if r.get("tenants")]
+    if tenants:
+        lines += ["", "Tenants (`--mix noisy_tenant=X`: tenant-0 is the noisy one), client TTFT p90 of those served:", ""]
+        lines += [f"- {policy}: " + "; ".join(
+            f"{name} {_ms(t['ttft_s']['p90'])} ms, {t['completed']:,} of {t['requests']:,} served, {t['rejected_429']:,} got 429"
+            for name, t in groups.items()) for policy, groups in tenants]
     reasons = [(r["policy"], r["decision_reasons"]) for r in runs if r.get("decision_reasons")]
     if reasons:
         lines += ["", "Routing decisions by reason (`kvrouter_routing_decisions_total`):", ""]
