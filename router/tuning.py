@@ -27,6 +27,10 @@ class KvAwareTuning(BaseModel):
     imbalance_slack: int = Field(default=4, ge=0)
     guard_min_saving: float = Field(default=0.5, ge=0.0, le=1.0)
     """Load guard: an overloaded choice stands only if its cache saves at least this fraction of the prompt."""
+    queue_weight: float = Field(default=1.0, ge=0.0)
+    """What a block of prefill already queued on a backend costs, relative to one of this prompt's own
+    uncached blocks. Below 1 a backend that holds the prompt's prefix keeps it at a longer queue: a
+    session moved for its queue also loses its cache for the turns that follow."""
     share_window: int = Field(default=128, ge=2)
     """Decisions the request share is measured over (exponential decay): ~1/2 of a 300-request run."""
     share_cap_tokens: int = Field(default=4096, ge=0)

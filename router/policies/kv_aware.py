@@ -124,7 +124,7 @@ class KvAware:
             hit = min(max(c.weighted_blocks, float(s)), float(cap))
             shared = c.load.shared_prefill_blocks(ctx.keys, bs) if c.load.prefilling else 0
             inflight_hit = max(shared, s - c.matched_blocks)
-            queue = max(0, c.load.prefill_tokens - inflight_hit * bs)
+            queue = max(0, c.load.prefill_tokens - inflight_hit * bs) * self.t.queue_weight
             c.score = (w.prefill * ((n - hit * bs) + queue) / bs + w.decode * (c.load.active_blocks + n_blocks - matched)
                        + self.t.context * (c.load.context_blocks + n_blocks))
         mark_unroutable(candidates)
