@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import re
 import socket
 import uuid
 from collections.abc import Iterator
@@ -375,6 +376,18 @@ def test_hop_by_hop_and_kvrouter_headers_do_not_cross_the_router(engine: EchoEng
     for name in ("x-kvrouter-reason", "x-engine-secret-route", "proxy-authenticate", "keep-alive"):
         assert name not in r.headers, name
     assert r.headers["cache-control"] == "no-store" and r.headers["x-request-id"] == rid
+
+
+def test_a_request_without_a_usable_id_gets_one_the_engine_and_the_client_share(engine: EchoEngine, secured: RouterProc) -> None:
+    """No ``x-request-id``, or one the router will not take (too long, not printable ASCII):
+    the router makes one, and the engine gets that one alone, the client's never."""
+    for sent in ({}, {"x-request-id": "x" * 200}, {"x-request-id": "café".encode()}):
+        r = httpx.post(secured.url + "/v1/completions", json={"model": MODEL, "prompt": "hello", "max_tokens": 1},
+                       headers={**bearer(CLIENT_KEY), **sent}, timeout=30)
+        assert r.status_code == 200, r.text
+        rid = r.headers["x-request-id"]
+        assert re.fullmatch(r"[0-9a-f]{32}", rid), rid
+        assert engine.headers_of(rid)["x-request-id"] == [rid]
 
 
 def test_a_cookie_an_engine_sets_is_never_sent_with_another_clients_request(engine: EchoEngine, tmp_path: Path) -> None:

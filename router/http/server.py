@@ -79,6 +79,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     load_plugins()
     parser.add_argument("--policy", choices=offered(), default=None, help="override router.policy for every model")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=None,
+                        help="one JSON line per request on stdout (default on; KVROUTER_ACCESS_LOG=0 turns it off)")
     parser.add_argument("--reload-config", action="store_true",
                         help="reload --config whenever the file changes (SIGHUP always reloads it): backends can be "
                              "added and removed without dropping traffic")
@@ -213,9 +215,22 @@ class Server(uvicorn.Server):
         await super().shutdown(sockets)
 
 
+def _access_to_stdout() -> None:
+    """Access-log lines go to stdout as they are (JSON, one per line), the rest of the log to stderr."""
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    access = logging.getLogger("kvrouter.access")
+    access.handlers[:] = [handler]
+    access.setLevel(logging.INFO)
+    access.propagate = False
+
+
 def run(args: argparse.Namespace) -> int:
     worker = "" if args.worker_index is None else f"worker {args.worker_index} "
     logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s %(levelname)s {worker}%(name)s: %(message)s")
+    if args.access_log is not None:  # the environment carries it to the workers
+        os.environ["KVROUTER_ACCESS_LOG"] = "1" if args.access_log else "0"
+    _access_to_stdout()
     try:
         config = read_config(args)
         tuning = read_tuning(args.tuning)
