@@ -116,3 +116,27 @@ def test_the_access_log_can_be_switched_off(sim_fleet: Any, tmp_path: Path, swit
         assert len(_access_lines(router, 1, timeout=1.0 if switch else 10.0)) == (0 if switch else 1)
     finally:
         router.stop()
+
+
+def test_json_logs_are_one_object_per_line(sim_fleet: Any, tmp_path: Path) -> None:
+    """``--log-format json`` with 2 workers: every line the router writes parses as JSON; the
+    log's lines name level, logger and worker, the access log's are the request lines."""
+    sim = sim_fleet()
+    cfg = _config(sim)
+    router = RouterProc("json", cfg, tmp_path, extra_args=["--log-format", "json", "--workers", "2"])
+    try:
+        r = httpx.post(router.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 200
+        assert _access_lines(router, 1)
+        deadline = time.monotonic() + 20
+        while True:
+            lines = [line for line in router.log().splitlines() if line.strip()]
+            parsed = [json.loads(line) for line in lines]  # raises on any line that is not JSON
+            logged = [p for p in parsed if "request_id" not in p]
+            if {p.get("worker") for p in logged} >= {0, 1} or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert logged and all({"ts", "level", "logger", "message"} <= set(p) for p in logged)
+        assert {p.get("worker") for p in logged} >= {0, 1}, [p for p in logged if p.get("worker") is None][:3]
+    finally:
+        router.stop()
