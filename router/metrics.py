@@ -258,6 +258,23 @@ class RouterMetrics:
             "prompt tokens served from the engine's prefix cache)",
             ["model", "backend", "kind"], registry=registry,
         )
+        self.cache_predictions = Counter(
+            "kvrouter_cache_predictions",
+            "Requests whose cached tokens the router predicted and the engine reported, by backend and outcome: exact, "
+            "under (the engine had more cached than predicted), over (less)",
+            ["backend", "outcome"], registry=registry,
+        )
+        self.cache_prediction_error = Histogram(
+            "kvrouter_cache_prediction_error_tokens",
+            "|reported - predicted| cached tokens per request, by backend",
+            ["backend"], buckets=(0, 16, 64, 256, 1024, 4096, 16384), registry=registry,
+        )
+        self.cache_agreement = Gauge(
+            "kvrouter_cache_prediction_agreement",
+            "Running share of requests whose predicted cached tokens equal the engine's reported ones, by backend "
+            "(about the last 50 requests of this process)",
+            ["backend"], registry=registry,
+        )
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self._fleet: list[LiveSeries] = []
         self.workers: WorkerSeries | None = None
@@ -395,3 +412,6 @@ QUEUE_OUTCOMES = _PROCESS.queue_outcomes
 REQUEST_TTFT = _PROCESS.request_ttft
 REQUEST_E2E = _PROCESS.request_e2e
 TOKENS = _PROCESS.tokens
+CACHE_PREDICTIONS = _PROCESS.cache_predictions
+CACHE_PREDICTION_ERROR = _PROCESS.cache_prediction_error
+CACHE_AGREEMENT = _PROCESS.cache_agreement

@@ -97,6 +97,10 @@ def test_ids_ttft_tokens_and_the_access_log(sim_fleet: Any, tmp_path: Path) -> N
         assert _metric(metrics, "kvrouter_tokens_total", model=MODEL, kind="prompt") == (
             usages[0]["prompt_tokens"] + usages[1]["prompt_tokens"] + plain["prompt_tokens"])
         assert _metric(metrics, "kvrouter_tokens_total", model=MODEL, kind="cached") == second["cached_tokens"]
+        # Fidelity: every prediction so far was exact (the index is fresh between these requests).
+        assert _metric(metrics, "kvrouter_cache_predictions_total", outcome="exact") == 3
+        assert _metric(metrics, "kvrouter_cache_predictions_total", outcome="over") == 0
+        assert _metric(metrics, "kvrouter_cache_prediction_agreement", backend=backend) == 1.0
     finally:
         router.stop()
 
@@ -138,5 +142,32 @@ def test_json_logs_are_one_object_per_line(sim_fleet: Any, tmp_path: Path) -> No
             time.sleep(0.2)
         assert logged and all({"ts", "level", "logger", "message"} <= set(p) for p in logged)
         assert {p.get("worker") for p in logged} >= {0, 1}, [p for p in logged if p.get("worker") is None][:3]
+    finally:
+        router.stop()
+
+
+def test_a_backend_whose_cache_the_router_mispredicts_is_flagged_once(sim_fleet: Any, tmp_path: Path) -> None:
+    """An engine whose KV events never arrive (the simulator drops them all) and no speculative
+    memory: the router predicts nothing cached while the engine reports its hits. The agreement
+    rate falls, one warning names the backend, and ``/debug/backends`` shows it."""
+    sim = sim_fleet("--fault-drop-events", "1.0")
+    cfg = _config(sim)
+    cfg["router"]["weights"] = {"speculative_ttl_s": 0}
+    router = RouterProc("mispredicted", cfg, tmp_path)
+    try:
+        body = {"model": MODEL, "prompt": "All work and no play makes Jack a dull boy. " * 30, "max_tokens": 1}
+        with httpx.Client(base_url=router.url, timeout=30) as c:
+            for _ in range(70):
+                assert c.post("/v1/completions", json=body).status_code == 200
+            metrics = c.get("/metrics").text
+            (backend,) = c.get("/debug/backends").json()["backends"]
+        assert _metric(metrics, "kvrouter_cache_predictions_total", outcome="under") >= 69
+        assert backend["cache_agreement"] < 0.5 and backend["cache_agreement_low"] is True
+        assert backend["cache_predictions"] == 70
+        warnings = [line for line in router.log().splitlines() if "agree with the engine's on" in line]
+        assert len(warnings) == 1 and "engine-0" in warnings[0]
+        lines = [line for line in _access_lines(router, 71) if line["path"] == "/v1/completions"]
+        predicted = [line["predicted_cached_tokens"] for line in lines if "predicted_cached_tokens" in line]
+        assert len(predicted) >= 69 and set(predicted) == {0} and lines[-1]["cached_tokens"] > 0
     finally:
         router.stop()

@@ -19,6 +19,12 @@ byte to the client:
   :class:`AccessLine` lists. On by default; ``kvrouter serve --no-access-log`` (or
   ``KVROUTER_ACCESS_LOG=0``) turns it off, metrics stay.
 
+- **Fidelity.** Where the router predicted the cached tokens on the backend it chose and the
+  engine reported them, the two are compared (:class:`Fidelity`): the error by backend, and a
+  running agreement rate that is logged once when it falls below :data:`AGREEMENT_LOW` and
+  once when it recovers, and shown in ``/debug/backends``. Next to the engine's own count,
+  the router's view of each engine's cache is checked on live traffic, request by request.
+
 The request path adds what only it knows (model, decision reason, predicted cached tokens)
 through :func:`current`, a context variable: the proxy runs in the request's own task.
 """
@@ -38,6 +44,7 @@ from starlette.types import Message, Scope, Send
 from router import metrics
 
 access_log = logging.getLogger("kvrouter.access")
+log = logging.getLogger(__name__)
 
 REQUEST_ID = b"x-request-id"
 MAX_ID_LEN = 128
@@ -69,6 +76,53 @@ class AccessLine(msgspec.Struct, omit_defaults=True):
     cached_tokens: int | None = None
     predicted_cached_tokens: int | None = None
 
+
+AGREEMENT_ALPHA = 0.02
+"""Weight of one request in the running agreement rate (about the last 50 requests count)."""
+AGREEMENT_LOW = 0.8
+AGREEMENT_OK = 0.9
+"""A backend's agreement is low below 0.8 (after :data:`AGREEMENT_MIN` requests) and ok again above 0.9."""
+AGREEMENT_MIN = 50
+
+
+class Fidelity:
+    """Predicted against reported cached tokens, per backend (this process's requests).
+
+    Exact agreement is the rule when the index is fresh: both count whole blocks and vLLM
+    never reports the whole prompt (docs/vllm-facts.md). A request sent on a prefix an earlier
+    one is still computing, or one whose blocks the engine evicted after the decision, can
+    differ without anything wrong; a rate that stays low means a stale or broken event
+    stream, a hash mismatch, or an engine configured unlike the router's config."""
+
+    def __init__(self) -> None:
+        self.rate: dict[str, float] = {}
+        self.count: dict[str, int] = {}
+        self.low: set[str] = set()
+
+    def record(self, backend: str, predicted: int, reported: int) -> None:
+        diff = reported - predicted
+        outcome = "exact" if diff == 0 else "under" if diff > 0 else "over"
+        metrics.child(metrics.CACHE_PREDICTIONS, backend, outcome).inc()
+        metrics.child(metrics.CACHE_PREDICTION_ERROR, backend).observe(abs(diff))
+        n = self.count[backend] = self.count.get(backend, 0) + 1
+        rate = self.rate[backend] = self.rate.get(backend, 1.0) + AGREEMENT_ALPHA * ((diff == 0) - self.rate.get(backend, 1.0))
+        metrics.child(metrics.CACHE_AGREEMENT, backend).set(rate)
+        if backend not in self.low and n >= AGREEMENT_MIN and rate < AGREEMENT_LOW:
+            self.low.add(backend)
+            log.warning("backend %s: the router's predicted cached tokens agree with the engine's on %.0f%% of recent "
+                        "requests (below %.0f%%): check its event stream, hash settings and block size (kvrouter doctor)",
+                        backend, 100 * rate, 100 * AGREEMENT_LOW)
+        elif backend in self.low and rate > AGREEMENT_OK:
+            self.low.discard(backend)
+            log.info("backend %s: predicted cached tokens agree with the engine's again (%.0f%%)", backend, 100 * rate)
+
+    def describe(self, backend: str) -> dict[str, Any]:
+        """What ``/debug/backends`` shows of it."""
+        return {"cache_agreement": round(self.rate[backend], 3) if backend in self.rate else None,
+                "cache_predictions": self.count.get(backend, 0), "cache_agreement_low": backend in self.low}
+
+
+FIDELITY = Fidelity()
 
 _encode = msgspec.json.Encoder().encode
 _current: contextvars.ContextVar[Observed | None] = contextvars.ContextVar("kvrouter_request", default=None)
@@ -153,6 +207,8 @@ class Observed:
                 for kind, n in zip(("prompt", "completion", "cached"), usage):
                     if n:
                         metrics.child(metrics.TOKENS, model, backend, kind).inc(n)
+                if self.predicted_cached is not None and usage[2] is not None and self.status == 200:
+                    FIDELITY.record(backend, self.predicted_cached, usage[2])
         if self.log:
             p, c, cached = usage if usage is not None else (None, None, None)
             access_log.info(_encode(AccessLine(
