@@ -39,7 +39,7 @@ from typing import Any
 import aiohttp
 
 from router import metrics
-from router.fleet.backends import BackendPool, BackendState
+from router.fleet.backends import BackendPool, BackendState, describe
 from router.http.errors import UpstreamError
 from router.fleet.load import LoadTracker, Ticket
 
@@ -124,7 +124,7 @@ class Attempt:
         (``kind`` ``connect``) ejects the backend and aborts its in-flight requests, which
         must not include this one (it would be cancelled on its retry)."""
         self._unwatch()
-        detail = f"{kind}{' ' + during if during else ''}: {exc!r}"
+        detail = f"{kind}{' ' + during if during else ''}: {describe(exc)} ({self.backend.url})"
         self.backend.record_failure(detail, connect_error=kind == "connect")
         metrics.child(metrics.UPSTREAM_FAILURES, self.name, kind).inc()
         log.warning("backend %s: %s", self.name, detail)

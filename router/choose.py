@@ -17,6 +17,7 @@ from router import metrics
 from router.admission import OPEN, Pass
 from router.fleet.backends import BackendPool
 from router.fleet.load import LoadTracker
+from router.http import observe
 from router.plans import Plan, Query
 from router.policies.base import Candidate, Decision, RequestCtx
 from router.runtime import ModelRuntime
@@ -58,6 +59,10 @@ def commit(d: Decided, backend: str) -> None:
     rt, ctx, cands, decision = d.rt, d.ctx, d.candidates, d.decision
     name = rt.name
     d.backend = backend
+    note = observe.current()
+    if note is not None:
+        note.model = name
+        note.reason = decision.reason if backend == decision.backend else "fallback"
     if backend != decision.backend:
         # A retry after the chosen backend failed before answering.
         rt.policy.commit(ctx, Decision(backend, "fallback", decision.order))
@@ -70,6 +75,8 @@ def commit(d: Decided, backend: str) -> None:
     if ctx.num_tokens:
         cached = chosen.predicted_cached_tokens(ctx.num_tokens, ctx.block_size)
         metrics.child(metrics.PREDICTED_HIT_RATIO, name).observe(cached / ctx.num_tokens)
+        if note is not None:
+            note.predicted_cached = cached
     if ctx.keys and rt.has_events and all(c.matched_blocks == 0 for c in cands):
         metrics.child(metrics.ZERO_BLOCK_REQUESTS, name).inc()
 

@@ -47,6 +47,8 @@ if TYPE_CHECKING:
     from indexer.subscriber import StreamStats
 
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+REQUEST_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+"""Client-facing latencies: TTFT targets from a few tens of milliseconds to long prompts queued."""
 _BLOCK_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 GAUGE_MERGE: dict[str, GaugeMerge] = {
@@ -239,6 +241,40 @@ class RouterMetrics:
             "cancelled (the client went away while waiting)",
             ["model", "outcome"], registry=registry,
         )
+        self.request_ttft = Histogram(
+            "kvrouter_request_ttft_seconds",
+            "Client time to first token, measured at the router: request received to the first stream chunk carrying "
+            "output, by model and backend (streams only)",
+            ["model", "backend"], buckets=REQUEST_BUCKETS, registry=registry,
+        )
+        self.request_e2e = Histogram(
+            "kvrouter_request_duration_seconds",
+            "Request received to the answer's last byte sent, measured at the router, by model and backend",
+            ["model", "backend"], buckets=REQUEST_BUCKETS, registry=registry,
+        )
+        self.tokens = Counter(
+            "kvrouter_tokens",
+            "Tokens the engines reported in usage, by model, backend and kind (prompt, completion, cached: the "
+            "prompt tokens served from the engine's prefix cache)",
+            ["model", "backend", "kind"], registry=registry,
+        )
+        self.cache_predictions = Counter(
+            "kvrouter_cache_predictions",
+            "Requests whose cached tokens the router predicted and the engine reported, by backend and outcome: exact, "
+            "under (the engine had more cached than predicted), over (less)",
+            ["backend", "outcome"], registry=registry,
+        )
+        self.cache_prediction_error = Histogram(
+            "kvrouter_cache_prediction_error_tokens",
+            "|reported - predicted| cached tokens per request, by backend",
+            ["backend"], buckets=(0, 16, 64, 256, 1024, 4096, 16384), registry=registry,
+        )
+        self.cache_agreement = Gauge(
+            "kvrouter_cache_prediction_agreement",
+            "Running share of requests whose predicted cached tokens equal the engine's reported ones, by backend "
+            "(about the last 50 requests of this process)",
+            ["backend"], registry=registry,
+        )
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self._fleet: list[LiveSeries] = []
         self.workers: WorkerSeries | None = None
@@ -373,3 +409,9 @@ CONNECTIONS_REFUSED = _PROCESS.connections_refused
 QUEUE_DEPTH = _PROCESS.queue_depth
 QUEUE_WAIT = _PROCESS.queue_wait
 QUEUE_OUTCOMES = _PROCESS.queue_outcomes
+REQUEST_TTFT = _PROCESS.request_ttft
+REQUEST_E2E = _PROCESS.request_e2e
+TOKENS = _PROCESS.tokens
+CACHE_PREDICTIONS = _PROCESS.cache_predictions
+CACHE_PREDICTION_ERROR = _PROCESS.cache_prediction_error
+CACHE_AGREEMENT = _PROCESS.cache_agreement

@@ -157,12 +157,12 @@ class RouterProc:
     """``kvrouter serve`` on a free loopback port with the given config (a dict, written as YAML)."""
 
     def __init__(self, name: str, config: dict[str, Any], tmp: Path, env: dict[str, str] | None = None,
-                 log_level: str = "debug", tuning: dict[str, Any] | None = None) -> None:
+                 log_level: str = "debug", tuning: dict[str, Any] | None = None, extra_args: list[str] | None = None) -> None:
         self.port = free_port()
         self.log_path = tmp / f"{name}.log"
         path = tmp / f"{name}.yaml"
         path.write_text(yaml.safe_dump(config))
-        args = KVROUTER + ["serve", "--config", str(path), "--port", str(self.port), "--log-level", log_level]
+        args = KVROUTER + ["serve", "--config", str(path), "--port", str(self.port), "--log-level", log_level, *(extra_args or [])]
         if tuning is not None:
             args += ["--tuning", json.dumps(tuning)]
         self.proc = Proc(args, self.log_path, env=env)

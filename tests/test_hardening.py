@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import re
 import socket
 import uuid
 from collections.abc import Iterator
@@ -290,7 +291,10 @@ def test_a_backend_that_cannot_be_reached_is_named_not_located(secured: RouterPr
     message = error_of(r)["message"]
     assert "doomed" in message
     assert "127.0.0.1" not in r.text and str(doomed.port) not in r.text and "Error" not in message
-    assert f"127.0.0.1', {doomed.port}" in secured.log()  # the operator still sees where
+    # The operator still sees where, as ``kind: message (url)``, not as aiohttp's repr.
+    line = next(x for x in secured.log().splitlines() if "backend doomed: connect:" in x)
+    assert f"ClientConnectorError: Cannot connect to host 127.0.0.1:{doomed.port}" in line and f"({doomed.url})" in line
+    assert "ConnectionKey(" not in secured.log()
     metrics = httpx.get(secured.url + "/metrics", headers=bearer(ADMIN_KEY)).text
     assert 'kvrouter_upstream_failures_total{backend="doomed",kind="connect"}' in metrics
 
@@ -375,6 +379,18 @@ def test_hop_by_hop_and_kvrouter_headers_do_not_cross_the_router(engine: EchoEng
     for name in ("x-kvrouter-reason", "x-engine-secret-route", "proxy-authenticate", "keep-alive"):
         assert name not in r.headers, name
     assert r.headers["cache-control"] == "no-store" and r.headers["x-request-id"] == rid
+
+
+def test_a_request_without_a_usable_id_gets_one_the_engine_and_the_client_share(engine: EchoEngine, secured: RouterProc) -> None:
+    """No ``x-request-id``, or one the router will not take (too long, not printable ASCII):
+    the router makes one, and the engine gets that one alone, the client's never."""
+    for sent in ({}, {"x-request-id": "x" * 200}, {"x-request-id": "café".encode()}):
+        r = httpx.post(secured.url + "/v1/completions", json={"model": MODEL, "prompt": "hello", "max_tokens": 1},
+                       headers={**bearer(CLIENT_KEY), **sent}, timeout=30)
+        assert r.status_code == 200, r.text
+        rid = r.headers["x-request-id"]
+        assert re.fullmatch(r"[0-9a-f]{32}", rid), rid
+        assert engine.headers_of(rid)["x-request-id"] == [rid]
 
 
 def test_a_cookie_an_engine_sets_is_never_sent_with_another_clients_request(engine: EchoEngine, tmp_path: Path) -> None:

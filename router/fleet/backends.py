@@ -87,6 +87,13 @@ FOLLOW_S = 0.05
 """How often a worker folds the others' records (health verdicts among them)."""
 
 
+def describe(exc: BaseException) -> str:
+    """``Kind: message`` for the log and ``/debug/backends``, not a repr: aiohttp's reprs spell
+    out connection keys, SSL contexts and proxies where the operator wants what failed."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 @dataclass(frozen=True, slots=True)
 class PollError:
     """Why a health check or scrape got no answer."""
@@ -160,9 +167,10 @@ class BackendState:
             async with self.session.get(path, timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
                 return r.status, await r.read()
         except aiohttp.ClientConnectorError as e:
-            return PollError(repr(e), refused=True), b""
+            return PollError(f"{describe(e)} ({self.url}{path})", refused=True), b""
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-            return PollError(repr(e), refused=False, timed_out=isinstance(e, asyncio.TimeoutError)), b""
+            return PollError(f"{describe(e)} ({self.url}{path})", refused=False,
+                             timed_out=isinstance(e, asyncio.TimeoutError)), b""
 
     @property
     def routable(self) -> bool:

@@ -27,6 +27,7 @@ from router import metrics
 from router.http.auth import Access
 from kvconfig import Config
 from router.core import Router
+from router.http import observe
 from router.http.dispatch import Endpoints
 from router.http.errors import ShuttingDown, UnknownModel
 from router.parse import json_response, parse_body, read_body
@@ -254,5 +255,6 @@ class Handlers:
             for k in ("gaps", "replays", "blocks"):
                 entry[k] = sum(s[k] for s in streams)
             entry["rehash_mode"] = any(s["rehash_mode"] for s in streams)
+            entry.update(observe.FIDELITY.describe(name))
             out.append(entry)
         return json_response({"backends": out, **router.sharing()})

@@ -7,7 +7,9 @@ with a null engine behind it, a minimal uvicorn + aiohttp proxy added 0.3 ms per
 and the router's stack alone about as much again, on every request. :class:`Endpoints`
 looks the (method, path) up in a dict and calls the endpoint; anything else (lifespan,
 HEAD, a wrong method, an unknown path) goes to the FastAPI app, which also owns start-up
-and shutdown and knows the same routes (so a wrong method is a 405 there).
+and shutdown and knows the same routes (so a wrong method is a 405 there). Every request,
+either way, is :class:`~router.http.observe.Observed`: its id, TTFT, duration, tokens and
+access-log line.
 
 Errors keep one shape: a :class:`~router.http.errors.RouterError` becomes its OpenAI error
 (counted in ``kvrouter_rejected_total``), and an unexpected exception is logged and
@@ -34,10 +36,13 @@ from starlette.types import Receive, Scope, Send
 
 from router import metrics
 from router.http.errors import BadRequest, RouterError, error_body, error_response
+from router.http.observe import Observed, access_log_on
 
 log = logging.getLogger(__name__)
 
 Endpoint = Callable[[Request], Awaitable[Response]]
+UNLOGGED_PATHS = frozenset(("/health", "/livez", "/readyz", "/metrics"))
+"""Probes and scrapes: every request gets its id, but these get no access-log line (they would drown it)."""
 
 
 def answer_error(exc: RouterError) -> Response:
@@ -81,6 +86,7 @@ class Endpoints:
 
     def __init__(self, fallback: Starlette) -> None:
         self.fallback = fallback
+        self.access_log = access_log_on()
         self.routes: dict[tuple[str, str], Endpoint] = {}
         fallback.add_exception_handler(RouterError, _on_router_error)
         fallback.add_exception_handler(HTTPException, _on_http_error)
@@ -98,9 +104,16 @@ class Endpoints:
         self.fallback.add_route(path, guarded, methods=[method])
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        endpoint = self.routes.get((scope["method"], scope["path"])) if scope["type"] == "http" else None
-        if endpoint is None:
+        if scope["type"] != "http":
             await self.fallback(scope, receive, send)
             return
-        response = await answer(endpoint, Request(scope, receive))
-        await response(scope, receive, send)
+        observed = Observed(scope, send, self.access_log and scope["path"] not in UNLOGGED_PATHS)
+        try:
+            endpoint = self.routes.get((scope["method"], scope["path"]))
+            if endpoint is None:
+                await self.fallback(scope, receive, observed.send)
+                return
+            response = await answer(endpoint, Request(scope, receive))
+            await response(scope, receive, observed.send)
+        finally:
+            observed.finish()

@@ -55,6 +55,7 @@ from starlette.types import Receive, Scope, Send
 from router import metrics
 from router.attempt import BACKEND_DOWN, SHUTTING_DOWN, Attempt, Attempts
 from router.fleet.backends import BackendPool
+from router.http import observe
 from router.http.errors import RouterError, ShuttingDown, UpstreamError, UpstreamTimeout, error_body, error_response
 from router.fleet.load import LoadTracker
 
@@ -64,8 +65,7 @@ FORWARDED_REQUEST_HEADERS = ("content-type", "accept", "x-request-id", "tracepar
 RELAYED_RESPONSE_HEADERS = frozenset((b"content-type", b"x-request-id", b"cache-control"))
 BACKEND_HEADER = b"x-kvrouter-backend"
 REASON_HEADER = b"x-kvrouter-reason"
-_PLAIN_CONNECTION = frozenset(("keep-alive", "close", "Keep-Alive", "Close"))
-"""``Connection`` values that name no other header (the common ones, checked without parsing)."""
+_PLAIN_CONNECTION = frozenset(("keep-alive", "close", "Keep-Alive", "Close"))  # name no other header
 
 _CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
 """The backend could not be reached: nothing was sent, safe to try elsewhere."""
@@ -80,10 +80,8 @@ _DONE_LINES = (b"data: [DONE]", b"data:[DONE]")
 
 def forwarded_headers(headers: Mapping[str, str]) -> dict[str, str]:
     """The client's headers an engine gets: the allow-list, less what ``Connection`` names
-    (``Authorization`` is not on it: see :attr:`Upstream.client_authorization`).
-    Values are forwarded as they are: uvicorn's parsers (httptools, h11) refuse a request
-    whose header holds a control character or a folded line, so none can reach here to
-    split an upstream request."""
+    (``Authorization`` is not on it: see :attr:`Upstream.client_authorization`). Values go as
+    they are: uvicorn refuses a header with a control character or a folded line."""
     out = {k: v for k in FORWARDED_REQUEST_HEADERS if (v := headers.get(k)) is not None}
     connection = headers.get("connection")
     if connection is not None and connection not in _PLAIN_CONNECTION:
@@ -232,6 +230,8 @@ class ProxyResponse(Response):
         self.status_code = 200
         self.background = None
         self._req = request
+        if (note := observe.current()) is not None and note.model is None:
+            note.model = request.model  # a passthrough (embeddings): no decision named it
         if attempts is None:
             attempts = Attempts(upstreams.pool, upstreams.loads, upstreams.retries, request.order, request.model,
                                 request.policy, request.started)

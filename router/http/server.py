@@ -36,6 +36,7 @@ import argparse
 import asyncio
 import gc
 import logging
+import json
 import os
 import signal
 import socket
@@ -79,6 +80,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     load_plugins()
     parser.add_argument("--policy", choices=offered(), default=None, help="override router.policy for every model")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--log-format", choices=["text", "json"], default="text",
+                        help="json: one JSON object per log line (ts, level, logger, worker, message, exc)")
+    parser.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=None,
+                        help="one JSON line per request on stdout (default on; KVROUTER_ACCESS_LOG=0 turns it off)")
     parser.add_argument("--reload-config", action="store_true",
                         help="reload --config whenever the file changes (SIGHUP always reloads it): backends can be "
                              "added and removed without dropping traffic")
@@ -213,9 +218,42 @@ class Server(uvicorn.Server):
         await super().shutdown(sockets)
 
 
+def _access_to_stdout() -> None:
+    """Access-log lines go to stdout as they are (JSON, one per line), the rest of the log to stderr."""
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    access = logging.getLogger("kvrouter.access")
+    access.handlers[:] = [handler]
+    access.setLevel(logging.INFO)
+    access.propagate = False
+
+
+class JsonFormatter(logging.Formatter):
+    """``--log-format json``: a log line as one JSON object, for collectors that parse rather than grep."""
+
+    def __init__(self, worker: int | None) -> None:
+        super().__init__()
+        self.worker = worker
+
+    def format(self, record: logging.LogRecord) -> str:
+        line: dict[str, object] = {"ts": round(record.created, 3), "level": record.levelname, "logger": record.name,
+                                   "message": record.getMessage()}
+        if self.worker is not None:
+            line["worker"] = self.worker
+        if record.exc_info:
+            line["exc"] = self.formatException(record.exc_info)
+        return json.dumps(line, default=str)
+
+
 def run(args: argparse.Namespace) -> int:
     worker = "" if args.worker_index is None else f"worker {args.worker_index} "
     logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s %(levelname)s {worker}%(name)s: %(message)s")
+    if args.log_format == "json":
+        for handler in logging.getLogger().handlers:
+            handler.setFormatter(JsonFormatter(args.worker_index))
+    if args.access_log is not None:  # the environment carries it to the workers
+        os.environ["KVROUTER_ACCESS_LOG"] = "1" if args.access_log else "0"
+    _access_to_stdout()
     try:
         config = read_config(args)
         tuning = read_tuning(args.tuning)
@@ -268,8 +306,9 @@ def run(args: argparse.Namespace) -> int:
         port=config.router.port,
         loop="uvloop",
         http=guarded(limits),
-        access_log=False,
+        access_log=False,  # the router writes its own (router/http/observe.py)
         log_level=args.log_level,
+        **({"log_config": None} if args.log_format == "json" else {}),  # uvicorn's lines through the JSON handler too
         proxy_headers=False,  # nothing reads the client address; skips a header scan per request
         timeout_keep_alive=30,
         backlog=4096,

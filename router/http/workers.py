@@ -219,7 +219,7 @@ class Supervisor:
     def _command(self, i: int) -> list[str]:
         a = self.args
         cmd = [sys.executable, "-m", "router.cli", "serve", "--config", a.config, "--host", self.config.router.host,
-               "--port", str(self.port), "--log-level", a.log_level, "--workers", "1",
+               "--port", str(self.port), "--log-level", a.log_level, "--log-format", a.log_format, "--workers", "1",
                "--worker-index", str(i), "--shared-dir", str(self.rundir), "--replica", self.replica]
         if a.policy is not None:
             cmd += ["--policy", a.policy]
