@@ -61,9 +61,26 @@ def start(config: dict[str, Any], tmp: Path, n: int, tag: str) -> list[Replica]:
     return replicas
 
 
-async def round_robin_burst(urls: list[str], n: int, seed: int) -> list[tuple[str, str]]:
+async def heard(url: str, prompt: str, timeout: float = 10.0) -> None:
+    """Until ``url``'s router has heard a decision for ``prompt`` (some backend shows
+    speculative blocks on ``/debug/route``, which changes nothing), or ``timeout``.
+
+    Why: a fixed pause after the first request was not always enough on a loaded CI host
+    for that request to be tokenized and decided, so a follower could arrive before there was
+    anything to hear. Giving up quietly leaves the assertions to say what happened."""
+    deadline = time.monotonic() + timeout
+    async with httpx.AsyncClient(timeout=10) as c:
+        while time.monotonic() < deadline:
+            r = await c.post(url + "/debug/route", json={"model": MODEL, "prompt": prompt, "max_tokens": 4})
+            if r.status_code == 200 and any(x["speculative_blocks"] for x in r.json()["candidates"]):
+                return
+            await asyncio.sleep(0.01)
+
+
+async def round_robin_burst(urls: list[str], n: int, seed: int, *, shared: bool) -> list[tuple[str, str]]:
     """:func:`test_workers.prefix_burst` with request ``i`` sent to replica ``i % len(urls)``:
-    each request's backend and decision reason."""
+    each request's backend and decision reason. The rest go once the first request is
+    decided: on every replica when they share a fleet state, else on the first one's."""
     prefix = f"system {seed} " + "shared context words go here " * 60
 
     async def one(i: int) -> tuple[str, str]:
@@ -74,7 +91,7 @@ async def round_robin_burst(urls: list[str], n: int, seed: int) -> list[tuple[st
             return r.headers["x-kvrouter-backend"], r.headers["x-kvrouter-reason"]
 
     first = asyncio.ensure_future(one(0))
-    await asyncio.sleep(0.05)
+    await asyncio.gather(*(heard(u, prefix) for u in (urls if shared else urls[:1])))
     rest = await asyncio.gather(*(one(i) for i in range(1, n)))
     return [await first, *rest]
 
@@ -93,7 +110,8 @@ def bursts(sim: Any, redis_url: str, tmp: Path, *, shared: bool, n: int) -> list
     replicas = start(replica_config(sim, redis_url, shared=shared, events=False), tmp, 3,
                      "shared" if shared else "alone")
     try:
-        return [asyncio.run(round_robin_burst([r.url for r in replicas], 9, seed=random.randrange(1 << 30)))
+        return [asyncio.run(round_robin_burst([r.url for r in replicas], 9, seed=random.randrange(1 << 30),
+                                              shared=shared))
                 for _ in range(n)]
     finally:
         for r in replicas:
