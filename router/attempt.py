@@ -181,13 +181,15 @@ class Attempts:
         self._first: Attempt | None = None
         self._next = 0
 
-    def open(self, name: str, *, announced: bool = False) -> Attempt:
+    def open(self, name: str, *, announced: bool = False, ticket: int | None = None) -> Attempt:
         """An attempt on backend ``name``: its load ticket taken and the decision committed
         to it, now. The first is kept until :meth:`next` hands it out; ``announced``: its
-        decision went to the replicas' fleet-state log already (:meth:`router.fleet.load.LoadTracker.acquire`)."""
+        decision went to the replicas' fleet-state log already, as ``ticket``
+        (:meth:`router.fleet.load.LoadTracker.acquire`)."""
         backend = self.pool.backends[name]
-        ticket = self.loads.acquire(name, self.keys, self.prefill.get(name, 0), self.model, announced=announced)
-        attempt = Attempt(backend, ticket, self.model)
+        held = self.loads.acquire(name, self.keys, self.prefill.get(name, 0), self.model, announced=announced,
+                                  ticket=ticket)
+        attempt = Attempt(backend, held, self.model)
         if self.tried == 0:
             self._first = attempt
         if self.commit is not None:

@@ -95,6 +95,8 @@ class Decided:
     """Where it was sent last (a retry moves it): set by :func:`commit`."""
     ordered: bool = False
     """Committed to the replicas' fleet-state log before it was sent (:mod:`router.fleet.stream`)."""
+    ticket: int | None = None
+    """The name its load ticket takes, when the record committed first gave it one."""
     admitted: Pass = OPEN
     """Its way through the router's admission queue; whoever sends it calls ``taken()`` once
     :meth:`router.request_path.RequestPath.send` returned (the load ticket is held), or it failed."""

@@ -46,10 +46,9 @@ from router.choose import Decided, candidates, commit, prefill_tokens, uncached
 from kvconfig import RouterSettings
 from router.http.errors import NoHealthyBackend
 from router.fleet.log import Decided as DecidedRecord
-from router.fleet.load import LoadTracker
+from router.fleet.load import LoadTracker, next_ticket
 from router.parse import session_key, validate_fields
 from router.plans import Deferred, ExactIds, Plan, Planner, Query
-from router.policies.approx_index import stored_keys
 from router.policies.base import RequestCtx
 from router.prompt.prompt_ids import observe_ids
 from router.http.proxy import ProxyResponse, Upstream, Upstreams
@@ -154,12 +153,14 @@ class RequestPath:
         if stream is None or d.rt.policy.name != "kv_aware" or sum(c.healthy for c in d.candidates) < 2:
             return
 
+        d.ticket = next_ticket()
+
         def record() -> DecidedRecord:
             backend = d.decision.backend
             chosen = next(c for c in d.candidates if c.backend == backend)
             prefill = uncached(d.ctx.num_tokens, chosen, d.ctx.block_size)
             load = self.loads.preview(backend, d.ctx.keys, prefill)
-            return DecidedRecord(d.rt.name, backend, load, stored_keys(d.ctx.keys))
+            return DecidedRecord(d.rt.name, backend, load, d.ctx.keys, d.ticket)
 
         d.ordered = await stream.order(record, lambda: self._decide_again(d))
 
@@ -193,7 +194,7 @@ class RequestPath:
         attempts = Attempts(up.pool, up.loads, up.retries, order, rt.name, rt.policy.name, started,
                             keys=d.ctx.keys, prefill=prefill_tokens(d.ctx, d.candidates), commit=partial(commit, d))
         try:
-            first = attempts.open(d.decision.backend, announced=d.ordered)  # 7. send
+            first = attempts.open(d.decision.backend, announced=d.ordered, ticket=d.ticket)  # 7. send
             _count(d)
             attempts.on_done = d.plan.owe(self.settler, d, first.ticket)  # 8. settle
             return ProxyResponse(up, Upstream(

@@ -465,7 +465,7 @@ def test_the_ring_folds_records_across_its_end_and_a_reader_a_ring_behind_skips(
     ring behind forgets the writer's load instead of folding overwritten bytes."""
     from router.fleet.log import Decided, FleetState, Snapshot
     from router.fleet.process import FleetLog
-    from router.policies.approx_index import ApproxPrefixIndex, stored_keys
+    from router.policies.approx_index import ApproxPrefixIndex
 
     RING_BYTES = 1 << 16
     _, w0, w1 = _ring_pair(tmp_path, RING_BYTES)
@@ -477,7 +477,7 @@ def test_the_ring_folds_records_across_its_end_and_a_reader_a_ring_behind_skips(
     writer.append(Snapshot({"a": (0, 0, 0, 0, 0)}))
     for i, keys in enumerate(chains):  # past the ring's end twice, the reader keeping up
         memories[0].insert(keys, "ab"[i % 2])
-        writer.append(Decided("m", "ab"[i % 2], (1, 16, 0, 1, 1), stored_keys(keys)))
+        writer.append(Decided("m", "ab"[i % 2], (1, 16, 0, 1, 1), keys))
         if i % 7 == 0:
             w1.catch_up(reader)
     w1.catch_up(reader)
@@ -488,10 +488,10 @@ def test_the_ring_folds_records_across_its_end_and_a_reader_a_ring_behind_skips(
     seen_generation, pos = w1._seen[0]
     w1._seen[0] = (seen_generation, pos - 2 * RING_BYTES)  # as if it had stalled while the writer went twice around
     fresh = [rng.getrandbits(64) for _ in range(40)]
-    writer.append(Decided("m", "a", (1, 16, 0, 1, 1), stored_keys(fresh)))
+    writer.append(Decided("m", "a", (1, 16, 0, 1, 1), fresh))
     w1.catch_up(reader)
     assert reader.remote["a"][0] == reader.remote["b"][0] == 0, "kept load it could no longer follow"
-    writer.append(Decided("m", "b", (1, 16, 0, 1, 1), stored_keys(fresh)))
+    writer.append(Decided("m", "b", (1, 16, 0, 1, 1), fresh))
     w1.catch_up(reader)
     assert memories[1].match(fresh)["b"] == 40
 
@@ -529,6 +529,47 @@ def test_every_worker_counts_every_workers_requests_in_the_request_share(tmp_pat
     assert sum(trackers[1].get(b).in_flight for b in backends) == len(held)
     made.new_generation(0)  # the supervisor: worker 0 died with its requests
     assert sum(trackers[1].get(b).in_flight for b in backends) == 0
+
+
+def test_a_prefix_the_requests_of_two_workers_hold_counts_once_as_the_engine_holds_it(tmp_path: Path) -> None:
+    """KV blocks in use (kv_aware's decode term) over every worker's requests: a prefix that
+    requests of both workers hold on a backend is one set of blocks on the engine, so it
+    counts once, as one process counts it; the blocks leave when the last request holding
+    them ends, a settled request's blocks replace its estimate's, and a dead worker's go with
+    it. (Summed per worker, a hot prefix's backend looked twice as full with 2 workers.)"""
+    from router.fleet.log import FleetState
+    from router.fleet.process import FleetLog
+    from router.fleet.load import LoadTracker
+
+    made, *rings = _ring_pair(tmp_path)
+    trackers = [LoadTracker(["a", "b"]) for _ in range(2)]
+    for w, t in enumerate(trackers):
+        t.share(FleetLog(FleetState({}, {}), t.snapshot, host=rings[w]))
+    prefix = list(range(100, 228))  # 128 blocks, a 2k-token document
+    one = LoadTracker(["a", "b"])  # one process sending the same requests
+    held, alone = [], []
+    for i in range(6):
+        keys = prefix + [1000 + i]
+        held.append(trackers[i % 2].acquire("a", keys, 16, "m"))
+        alone.append(one.acquire("a", keys, 16, "m"))
+    for t in trackers:
+        t.fleet.catch_up()
+        assert t.get("a").active_blocks == one.get("a").active_blocks == 128 + 6
+    held[0].settle(prefix[:64] + [2000], 16)  # a deferred request's exact keys
+    alone[0].settle(prefix[:64] + [2000], 16)
+    for t in held[1:4]:
+        t.release()
+    for t in alone[1:4]:
+        t.release()
+    for t in trackers:
+        t.fleet.catch_up()
+        assert t.get("a").active_blocks == one.get("a").active_blocks == 128 + 3
+    made.new_generation(1)  # worker 1 died with its requests (held[5] among them)
+    trackers[0].fleet.catch_up()
+    assert trackers[0].get("a").active_blocks == 128 + 2  # held[0]'s and held[4]'s
+    for t in (held[0], held[4]):
+        t.release()
+    assert trackers[0].get("a").active_blocks == 0
 
 
 def test_a_worker_that_cannot_start_stops_the_supervisor_with_its_status(tmp_path: Path) -> None:

@@ -360,9 +360,9 @@ class BackendPool:
         leader not heard from yet counts from this worker's start: it may be loading)."""
         if self.fleet is None:
             return False
-        heard = self.fleet.state.heard(sender(0))
+        leader = self.fleet.state.senders.get(sender(0))
         late = 2 * self.settings.health_interval_s + health_timeout(self.settings.health_interval_s) + 1.0
-        return time.monotonic() - (self._started if heard is None else heard) > late
+        return time.monotonic() - (self._started if leader is None else leader.heard) > late
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self._check(b) for b in self.backends.values()))

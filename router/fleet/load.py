@@ -18,14 +18,17 @@ Shared load (``serve --workers N``, replicas): each process keeps its own exact 
 (above), and every change of them is a record of the fleet-state log
 (:mod:`router.fleet.log`: a request decided, its first token, its end). What the policies
 read, :meth:`LoadTracker.get`, is then a :class:`LoadView`: this process's counters plus
-every other process's, as the log folds them. ``active_blocks`` is summed too, so a prefix
-held by requests of two processes counts twice (the keys themselves are not shared): an
-overestimate bounded by the number of processes, only while both hold it.
+every other process's, as the log folds them. ``active_blocks`` is not a sum: a decision's
+record carries its block keys and the record that ends it names it, so every process
+refcounts every process's blocks (:attr:`BackendLoad.block_refs`), and a prefix the
+requests of two processes hold counts once, as the engine holds it. (Summed, two workers
+saw a hot prefix's backend twice as full as one process did, and moved its requests away.)
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -33,7 +36,6 @@ from typing import TYPE_CHECKING
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.fleet.log import Changed, Decided, Load, Scraped, Settled
-from router.policies.approx_index import stored_keys
 
 if TYPE_CHECKING:
     from router.fleet.backends import BackendPool
@@ -42,6 +44,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _ZERO = (0, 0, 0, 0, 0)
+_TICKETS = itertools.count(1)
+next_ticket = _TICKETS.__next__
+"""A name for a request's ticket, unique in this process (the records that end it give it)."""
 SCRAPED_GAUGES = ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc")
 
 
@@ -197,7 +202,7 @@ class LoadView(_Figures):
         self.in_flight = own.in_flight + r[0]
         self.prefill_tokens = own.prefill_tokens + r[1]
         self.decode_seqs = own.decode_seqs + r[2]
-        self.active_blocks = len(own.block_refs) + r[3]
+        self.active_blocks = len(own.block_refs)  # every process's requests, counted once
         self.context_blocks = own.context_blocks + r[4]
         self.scraped_waiting = own.scraped_waiting
         self.scraped_running = own.scraped_running
@@ -215,11 +220,13 @@ class Ticket:
     record of the fleet-state log when the load is shared.
     """
 
-    __slots__ = ("load", "keys", "prefill", "phase", "model")
+    __slots__ = ("load", "keys", "prefill", "phase", "model", "id")
 
-    def __init__(self, load: BackendLoad, keys: list[int], prefill: int, model: str = "", *, announced: bool = False) -> None:
+    def __init__(self, load: BackendLoad, keys: list[int], prefill: int, model: str = "", *, announced: bool = False,
+                 ticket: int | None = None) -> None:
         """``announced``: its :class:`Decided` record went out already (committed to the
-        replicas' order), so only this host's other workers are told here."""
+        replicas' order, named ``ticket``), so only this host's other workers are told here."""
+        self.id = next_ticket() if ticket is None else ticket
         self.load = load
         self.keys = keys
         self.prefill = prefill
@@ -231,10 +238,9 @@ class Ticket:
         load.prefilling.add(self)
         refs = load.block_refs
         before = len(refs)
-        for k in keys:
-            refs[k] = refs.get(k, 0) + 1
+        refer(refs, keys, 1)
         if load.fleet is not None:
-            record = Decided(model, load.name, (1, prefill, 0, len(refs) - before, len(keys)), stored_keys(keys))
+            record = Decided(model, load.name, (1, prefill, 0, len(refs) - before, len(keys)), keys, self.id)
             load.fleet.append(record, to_fleet=not announced)
 
     def first_token(self) -> None:
@@ -262,11 +268,10 @@ class Ticket:
         self.keys = keys
         load.context_blocks += len(keys)
         refs = load.block_refs
-        for k in keys:
-            refs[k] = refs.get(k, 0) + 1
+        refer(refs, keys, 1)
         if load.fleet is not None:
             d = (0, d_prefill, 0, len(refs) - before, d_context)
-            load.fleet.append(Settled(self.model, load.name, d, stored_keys(keys)))
+            load.fleet.append(Settled(self.model, load.name, d, keys, self.id))
 
     def release(self) -> None:
         if self.phase == 2:
@@ -284,17 +289,47 @@ class Ticket:
         load.in_flight -= 1
         self._unref()
         if load.fleet is not None:
-            load.fleet.append(Changed(load.name, (d[0], d[1], d[2], len(load.block_refs) - before, d[4])))
+            load.fleet.append(Changed(load.name, (d[0], d[1], d[2], len(load.block_refs) - before, d[4]), [self.id]))
 
     def _unref(self) -> None:
         self.load.context_blocks -= len(self.keys)
-        refs = self.load.block_refs
-        for k in self.keys:
-            n = refs.get(k, 0)
-            if n <= 1:
-                refs.pop(k, None)
-            else:
-                refs[k] = n - 1
+        refer(self.load.block_refs, self.keys, -1)
+
+
+def refer(refs: dict[int, int], keys: list[int], sign: int) -> None:
+    """Count ``keys`` in (``sign`` 1) or out (-1) of a backend's block refcounts."""
+    for k in keys:
+        if (n := refs.get(k, 0) + sign) > 0:
+            refs[k] = n
+        else:
+            refs.pop(k, None)
+
+
+class FleetBlocks:
+    """The other processes' requests' KV blocks, added to each backend's refcounts
+    (:attr:`BackendLoad.block_refs`) as the fleet-state log folds their records, and taken
+    out when the record that ends a request names its ticket, or its sender is gone."""
+
+    def __init__(self, backends: dict[str, BackendLoad]) -> None:
+        self.backends = backends
+        self.tickets: dict[str, dict[int, tuple[str, list[int]]]] = {}  # per sender: backend and keys
+
+    def hold(self, sender: str, ticket: int, backend: str | None, keys: list[int]) -> None:
+        """``ticket``'s blocks from now on (``backend`` None: it ended), in place of its earlier ones."""
+        held = self.tickets.setdefault(sender, {})
+        if (old := held.pop(ticket, None)) is not None:
+            self._refer(*old, -1)
+        if backend is not None:
+            held[ticket] = (backend, keys)
+            self._refer(backend, keys, 1)
+
+    def forget(self, sender: str) -> None:
+        for backend, keys in self.tickets.pop(sender, {}).values():
+            self._refer(backend, keys, -1)
+
+    def _refer(self, backend: str, keys: list[int], sign: int) -> None:
+        if (load := self.backends.get(backend)) is not None:  # else a reload removed it
+            refer(load.block_refs, keys, sign)
 
 
 class LoadTracker:
@@ -313,6 +348,8 @@ class LoadTracker:
         (call before the first request)."""
         self.fleet = fleet
         self.remote = fleet.state.remote
+        blocks = FleetBlocks(self.backends)
+        fleet.state.hold, fleet.state.forget = blocks.hold, blocks.forget
         fleet.state.follow[Scraped] = self._take_scraped
         for load in self.backends.values():
             load.fleet = fleet
@@ -322,8 +359,8 @@ class LoadTracker:
         return self.fleet is not None
 
     def acquire(self, backend: str, keys: list[int], prefill_tokens: int, model: str = "", *,
-                announced: bool = False) -> Ticket:
-        return Ticket(self.backends[backend], keys, prefill_tokens, model, announced=announced)
+                announced: bool = False, ticket: int | None = None) -> Ticket:
+        return Ticket(self.backends[backend], keys, prefill_tokens, model, announced=announced, ticket=ticket)
 
     def preview(self, backend: str, keys: list[int], prefill_tokens: int) -> Load:
         """The change :meth:`acquire` would make now (a decision's record before it is sent)."""
@@ -374,7 +411,7 @@ class LoadTracker:
         from router.fleet.ring import sender
 
         assert self.fleet is not None
-        folded = self.fleet.state.by_sender(backend)
+        folded = {name: s.loads.get(backend, [0] * 5) for name, s in self.fleet.state.senders.items() if s.loads is not None}
         rows = [list(self.backends[backend].vector()) if w == worker else folded.get(sender(w), [0] * 5)
                 for w in range(workers)]
         return [dict(zip(LOAD_FIELDS, r)) for r in rows]

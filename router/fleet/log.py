@@ -1,14 +1,12 @@
 """The fleet-state log: what every router process did, in one order, folded alike by all.
 
 Workers and replicas decide alone, yet each must weigh every process's requests, recent
-decisions (a burst on a new prefix lands where its first request went), request share and
-health, as Dynamo's router replicas share one active-sequence stream. Each process appends
-what it did (a record type below) and every :data:`SNAPSHOT_S` a :class:`Snapshot` of its load,
-its heartbeat; every process folds the others' into the same :class:`FleetState`. Records carry
-load *changes* and a snapshot sets a sender's counters outright: the fold is exact, a lost
-record costs one snapshot interval, and a sender silent for ``ttl_s`` stops counting.
+decisions, request share and health, as Dynamo's router replicas share one active-sequence
+stream. Each process appends what it did (a record type below) and every :data:`SNAPSHOT_S`
+a :class:`Snapshot` of its load, its heartbeat. Records carry load *changes* (a decision its
+blocks too, under a ticket that its end names) and a snapshot sets a sender's counters outright:
+the fold is exact, a lost record costs one snapshot interval, and a silent sender stops counting.
 """
-
 from __future__ import annotations
 
 import time
@@ -33,12 +31,14 @@ class Decided(msgspec.Struct, tag=1, array_like=True):
     model: str
     backend: str
     load: Load
-    keys: list[int]  # the block keys the prefix memory stores (approx_index.stored_keys)
+    keys: list[int]  # the prompt's block keys: the KV blocks it holds there, and its prefix for the memory
+    ticket: int = 0  # the sender's name for the request, which the Changed that ends it gives
 
 
 class Changed(msgspec.Struct, tag=2, array_like=True):  # a request's first token (prefill to decode) or end
     backend: str
     load: Load
+    ended: list[int] = []  # the tickets that ended: the blocks they held stop counting
 
 
 class Settled(Decided, tag=4): ...  # a deferred request's estimate replaced by its exact keys and prefill
@@ -76,21 +76,19 @@ _BAD = (msgspec.DecodeError, msgspec.ValidationError)
 def decode(data: bytes) -> tuple[list[Record], int] | None:
     """A batch's valid records and how many were not (each stands alone: one malformed record once
     stopped every backend's load from being shared), or None when ``data`` is not a batch."""
+    if (whole := _or_none(_records, data)) is not None:
+        return whole, 0
+    if (raws := _or_none(_batch, data)) is None:
+        return None
+    records = [r for r in (_or_none(_record, raw) for raw in raws) if r is not None]
+    return records, len(raws) - len(records)
+
+
+def _or_none(decoder: msgspec.msgpack.Decoder[Any], data: bytes | msgspec.Raw) -> Any:
     try:
-        return _records.decode(data), 0
-    except _BAD:
-        pass
-    try:
-        raws = _batch.decode(data)
+        return decoder.decode(data)
     except _BAD:
         return None
-    records: list[Record] = []
-    for raw in raws:
-        try:
-            records.append(_record.decode(raw))
-        except _BAD:
-            pass
-    return records, len(raws) - len(records)
 
 
 def _shift(counters: list[int], d: Load | list[int], sign: int = 1) -> None:
@@ -102,20 +100,22 @@ def coalesce(records: list[Record]) -> list[Record]:
     """The same fold in fewer records: the :class:`Changed` summed per backend, each sum placed
     before the next snapshot (which holds them) or last: one per backend, not two per request."""
     out: list[Record] = []
-    sums: dict[str, list[int]] = {}
+    sums: dict[str, Changed] = {}
     for r in records:
         if type(r) is Changed:
-            _shift(sums.setdefault(r.backend, [0] * 5), r.load)
+            if (c := sums.get(r.backend)) is None:
+                c = sums[r.backend] = Changed(r.backend, (0, 0, 0, 0, 0), [])
+            c.load, c.ended = tuple(a + b for a, b in zip(c.load, r.load)), c.ended + r.ended  # type: ignore[assignment]
             continue
         if type(r) is Snapshot:
-            out += [Changed(b, tuple(v)) for b, v in sums.items()]  # type: ignore[arg-type]
+            out += sums.values()
             sums = {}
         out.append(r)
-    return out + [Changed(b, tuple(v)) for b, v in sums.items()]  # type: ignore[arg-type]
+    return out + list(sums.values())
 
 
 @dataclass(slots=True)
-class _Sender:
+class Sender:
     heard: float
     loads: dict[str, list[int]] | None = None  # per backend; None until its first snapshot
 
@@ -130,68 +130,67 @@ class FleetState:
         self.shares = shares
         self.ttl_s = ttl_s
         self._clock = clock
-        self._senders: dict[str, _Sender] = {}
+        self.senders: dict[str, Sender] = {}  # the live ones: when each was last heard (``clock``), its load
         self.remote: dict[str, list[int]] = {}  # per backend, summed over the other live senders
         self.follow: dict[type, Callable[[Any], None]] = {}  # other records' readers: follow[Verdict] = ...
+        # Where the others' requests' KV blocks are counted (load.FleetBlocks); backend None: it ended.
+        self.hold: Callable[[str, int, str | None, list[int]], None] = lambda sender, ticket, backend, keys: None
+        self.forget: Callable[[str], None] = lambda sender: None
 
     def fold(self, sender: str, records: list[Record], age_s: float = 0.0) -> None:
         """Apply ``sender``'s records, in order; ``age_s``: how old they are (a prefix older
         than the memory's TTL is not learned)."""
-        s = self._senders.setdefault(sender, _Sender(0.0))
+        s = self.senders.setdefault(sender, Sender(0.0))
         s.heard = self._clock()
         for r in records:
             if isinstance(r, Decided):
                 if type(r) is Decided and (shares := self.shares.get(r.model)) is not None:
                     shares.count(r.backend)
                 if (memory := self.memories.get(r.model)) is not None and r.keys and age_s < memory.ttl_s:
-                    memory.insert_stored(r.keys, r.backend)
+                    memory.insert(r.keys, r.backend)
                 self._add(s, r.backend, r.load)
+                self.hold(sender, r.ticket, r.backend, r.keys)
             elif type(r) is Changed:
                 self._add(s, r.backend, r.load)
+                for t in r.ended:
+                    self.hold(sender, t, None, [])
             elif isinstance(r, Snapshot):
                 self._set(s, r.loads)
             elif (follow := self.follow.get(type(r))) is not None:
                 follow(r)
 
-    def _add(self, s: _Sender, backend: str, d: Load) -> None:
+    def _add(self, s: Sender, backend: str, d: Load) -> None:
         if s.loads is not None:  # else it joined after this change: the next snapshot includes it
             _shift(s.loads.setdefault(backend, [0] * 5), d)
             _shift(self.remote.setdefault(backend, [0] * 5), d)
 
-    def _set(self, s: _Sender, loads: dict[str, Load]) -> None:
+    def _set(self, s: Sender, loads: dict[str, Load]) -> None:
         self._withdraw(s)
         s.loads = {b: list(v) for b, v in loads.items()}
         for b, v in loads.items():
             _shift(self.remote.setdefault(b, [0] * 5), v)
 
-    def _withdraw(self, s: _Sender) -> None:
+    def _withdraw(self, s: Sender) -> None:
         for b, v in (s.loads or {}).items():
             _shift(self.remote[b], v, -1)
 
     def begin(self, sender: str) -> None:
         """``sender``'s records will be folded from its first on: its load counts from
         there, without waiting for a snapshot (a ring read from the worker's start)."""
-        s = self._senders.setdefault(sender, _Sender(self._clock()))
+        s = self.senders.setdefault(sender, Sender(self._clock()))
         if s.loads is None:
             s.loads = {}
 
     def drop(self, sender: str) -> None:
         """Forget a sender's load now (it restarted, or records of it were lost)."""
-        self._withdraw(self._senders.pop(sender, _Sender(0.0)))
+        self._withdraw(self.senders.pop(sender, Sender(0.0)))
+        self.forget(sender)
 
     def expire(self) -> int:
         """Drop the senders silent for ``ttl_s``; returns how many."""
         late = self._clock() - self.ttl_s
-        gone = [name for name, s in self._senders.items() if s.heard < late]
+        gone = [name for name, s in self.senders.items() if s.heard < late]
         for name in gone:
             self.drop(name)
         return len(gone)
 
-    def heard(self, sender: str) -> float | None:
-        """When ``sender``'s last record was folded (``clock`` time), or None."""
-        s = self._senders.get(sender)
-        return None if s is None else s.heard
-
-    def by_sender(self, backend: str) -> dict[str, list[int]]:
-        """Each live sender's counters for ``backend`` (``/debug/backends``)."""
-        return {name: s.loads.get(backend, [0] * 5) for name, s in self._senders.items() if s.loads is not None}
