@@ -25,7 +25,7 @@ H_MAGIC, H_LAYOUT, H_WORKERS, H_RESTARTS, H_RING_BYTES = range(5)
 HEADER_WORDS = 8
 W_GENERATION, W_START, W_CURSOR = range(3)
 WORKER_WORDS = 4
-RING_BYTES = 1 << 23  # a Mooncake prompt's decision is ~5 KB of keys: seconds of them at a high rate
+RING_BYTES = 1 << 21  # ~450 decisions of 8k-token prompts (~4.6 KB of keys each); 2 MiB a worker fits /dev/shm in containers
 
 
 def sender(worker: int) -> str:  # a worker's name in the fold
