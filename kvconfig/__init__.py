@@ -113,6 +113,24 @@ class Backend(_Strict):
         return v
 
 
+class Discovery(_Strict):
+    """Backends found by DNS: the name's A and AAAA records, as a Kubernetes headless Service
+    or Consul serves them, one backend per address, every engine on the same ports."""
+
+    dns: str = Field(min_length=1)
+    """The name to resolve, e.g. ``vllm.default.svc.cluster.local`` (a headless Service)."""
+    port: int = Field(ge=1, le=65535)
+    """Every engine's HTTP port."""
+    kv_events_port: int | None = Field(default=None, ge=1, le=65535)
+    """Every engine's KV-event publisher port (unset: the router gets no cache events from them)."""
+    kv_replay_port: int | None = Field(default=None, ge=1, le=65535)
+    """Every engine's replay port (unset: missed event batches are not fetched)."""
+    interval_s: float = Field(default=5.0, gt=0)
+    """Seconds between lookups. A failed lookup keeps the last set it found."""
+    nameserver: str | None = Field(default=None, pattern=r"^[^\s:]+(:\d{1,5})?$|^\[[0-9A-Fa-f:.]+\](:\d{1,5})?$")
+    """``HOST[:PORT]`` (``[v6]:PORT``) of the DNS server to ask; unset, the system's resolver."""
+
+
 class Model(_Strict):
     """One model the router serves: its tokenizer, the engines' hashing settings and its backends."""
 
@@ -133,8 +151,11 @@ class Model(_Strict):
     them. Unset, it is read from a backend's ``/v1/models``."""
     lora_adapters: list[LoraAdapter] = []
     """The LoRA adapters the engines serve (their ``--lora-modules``); clients name them as models."""
-    backends: list[Backend] = Field(min_length=1)
-    """The engines serving this model."""
+    backends: list[Backend] = []
+    """The engines serving this model (at least one, unless ``discovery`` finds them)."""
+    discovery: Discovery | None = None
+    """Find more backends by DNS, added and removed as its records change (a backend listed in
+    ``backends`` stays whatever DNS says)."""
     policy: PolicyName | None = None
     """This model's routing policy, one of ``round_robin``, ``random``, ``least_loaded``, ``power_of_two``,
     ``session``, ``prefix_approx``, ``kv_aware`` (null: ``router.policy``)."""
@@ -149,6 +170,8 @@ class Model(_Strict):
 
     @model_validator(mode="after")
     def _unique_names(self) -> "Model":
+        if not self.backends and self.discovery is None:
+            raise ValueError(f"model {self.name!r} has no backends: list some, or find them with discovery")
         names = [b.name for b in self.backends]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
@@ -166,13 +189,6 @@ class KvAwareWeights(_Strict):
     Mooncake bench that made kv_aware balance KV memory instead of queued prefill and
     lost to least_loaded on TTFT (engine TTFT p90 1.67 s vs 0.95 s at 0.1), because a
     step's cost grows ~1000x less per held block than per prefilled token."""
-    cpu_tier: float = Field(default=0.5, ge=0.0, le=1.0)
-    """What a block found in an engine's CPU tier saves, relative to one on the GPU."""
-    storage_tier: float = Field(default=0.25, ge=0.0, le=1.0)
-    """What a block found in an engine's storage tier saves, relative to one on the GPU."""
-    speculative_ttl_s: float = Field(default=2.0, ge=0.0)
-    """How long a prefix just sent to a backend counts as cached there, in seconds, before the engine's events
-    confirm it (0: off)."""
     share_cap: float = Field(default=1.2, ge=0.0)
     """Request-share cap (0: off). When the cheapest backend took more than this many times its fair share
     of the model's recent decisions (every worker's and replica's count), a cheap request (a new session on
@@ -228,14 +244,6 @@ class RouterSettings(_Strict):
     ``user``)."""
     breaker_failures: int = Field(default=5, ge=1)
     """Consecutive failures of a backend (5xx, resets, timeouts) that open its circuit breaker."""
-    breaker_cooldown_s: float = Field(default=5.0, gt=0)
-    """Seconds an open circuit keeps its backend out, doubling on each re-open up to 60; then one trial
-    request decides."""
-    max_connections_per_backend: int = Field(default=512, ge=1)
-    """Most connections open to one engine at once (each request in flight holds one)."""
-    subscribe_events: bool | None = None
-    """Follow the backends' KV-event streams in this process. Default: yes with the
-    in-memory index, no with Redis (the standalone ``kvrouter indexer`` fills it)."""
     drain_timeout_s: float = Field(default=30.0, ge=0)
     """On SIGTERM the router stops accepting connections and lets the requests in flight
     finish for at most this long; a stream still open then ends with an error event

@@ -61,6 +61,9 @@ def _unwrap(annotation: Any) -> Any:
 
 def _key(section: str, name: str, field: FieldInfo) -> Key:
     annotation = _unwrap(field.annotation)
+    if get_origin(annotation) in (typing.Union, types.UnionType):  # an optional table is a table
+        tables = [a for a in get_args(annotation) if isinstance(a, type) and issubclass(a, BaseModel)]
+        annotation = tables[0] if len(tables) == 1 else annotation
     many = get_origin(annotation) is list
     item = _unwrap(get_args(annotation)[0]) if many else annotation
     table = item if isinstance(item, type) and issubclass(item, BaseModel) else None

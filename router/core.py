@@ -18,6 +18,8 @@ Two operations change it while it serves:
   be chosen; a removed one is no candidate from that moment, its requests in flight run
   to their end, and only then are its event stream, index entries, policy memory, load
   and connections dropped (:meth:`Router._retire`).
+- **discovery** (``models[].discovery``, :mod:`router.fleet.discovery`): the backends a DNS
+  name lists are added and removed through the same path, merged with the file's.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from router import metrics
 from router.admission import ModelQueue
 from router.background import MAX_SETTLING, Background
 from router.fleet.backends import BackendPool
-from kvconfig import Config
+from kvconfig import Backend, Config
 from router.http.errors import NoHealthyBackend
 from router.fleet.gauges import FleetCollector
 from router.fleet.load import LoadTracker, scrape_forever
@@ -66,10 +68,14 @@ class Router:
 
     def __init__(self, config: Config, index: Index | None = None, tuning: Tuning | None = None) -> None:
         self.config = config
+        self.static = config
+        """The config as the file gave it: :attr:`config` is it with the discovered backends."""
+        self.discovered: dict[str, list[Backend]] = {}
+        """Each model's backends discovery found last (:mod:`router.fleet.discovery`)."""
         self.settings = config.router
         self.tuning = t = tuning or Tuning()
         """The lab's knobs (:mod:`router.tuning`): not in the config file."""
-        self.pool = BackendPool(config)
+        self.pool = BackendPool(config, t)
         self.loads = LoadTracker(list(self.pool.backends))
         self.index: Index = index if index is not None else make_index(config.index, config.index_namespace)
         self.models = Models(config, t)
@@ -159,6 +165,11 @@ class Router:
             asyncio.create_task(scrape_forever(self.pool, self.loads, self.settings.metrics_scrape_interval_s)),
             asyncio.create_task(self._discover_max_model_len()),
         ]
+        for m in self.config.models:
+            if m.discovery is not None:
+                from router.fleet.discovery import Follower
+
+                self._tasks.append(asyncio.create_task(Follower(m.name, m.discovery, self.rediscover).run_forever()))
         if self.fleet is not None:
             from router.fleet.backends import FOLLOW_S
 
@@ -246,9 +257,33 @@ class Router:
         changed its definition (give the new one a new name), or when an added backend's
         removal has not finished."""
         async with self._reload_lock:
-            outcome = await self._reload(new)
+            outcome = await self._reload(self._with_discovered(new))
+            if outcome in ("applied", "unchanged"):
+                self.static = new
         metrics.child(metrics.CONFIG_RELOADS, outcome).inc()
         return outcome
+
+    async def rediscover(self, model: str, found: list[Backend]) -> str:
+        """Take ``found`` as ``model``'s discovered backends, through the reload's path; returns
+        its outcome (the last set stays in force when it is not applied)."""
+        async with self._reload_lock:
+            before = self.discovered.get(model, [])
+            self.discovered[model] = found
+            outcome = await self._reload(self._with_discovered(self.static))
+            if outcome not in ("applied", "unchanged"):
+                self.discovered[model] = before
+        return outcome
+
+    def _with_discovered(self, config: Config) -> Config:
+        """``config`` with each model's discovered backends after its own (a name the file lists wins)."""
+        if not self.discovered:
+            return config
+        models = []
+        for m in config.models:
+            mine = {b.name for b in m.backends}
+            extra = [b for b in self.discovered.get(m.name, []) if b.name not in mine] if m.discovery else []
+            models.append(m.model_copy(update={"backends": m.backends + extra}) if extra else m)
+        return config.model_copy(update={"models": models})
 
     async def _reload(self, new: Config) -> str:
         old = self.config
@@ -317,7 +352,7 @@ class Router:
         log.info("backend %s removed: its requests ended; its event stream stops and its index entries are purged", name)
 
     def _subscribes(self) -> bool:
-        wanted = self.settings.subscribe_events
+        wanted = self.tuning.subscribe_events
         if wanted is None:
             wanted = self.config.index == "memory"
         return wanted and any(rt.has_events for rt in self.models)

@@ -56,6 +56,7 @@ GAUGE_MERGE: dict[str, GaugeMerge] = {
     "kvrouter_queue_depth": operator.add,  # router/admission.py: each worker queues its own
     "kvrouter_tokenizer_segment_cache_tokens": operator.add,  # router/prompt/segments.py
     "kvrouter_hash_cache_blocks": operator.add,  # router/prompt/hash_cache.py
+    "kvrouter_discovery_backends": max,  # router/fleet/discovery.py: every worker looks up alike
     "kvrouter_tokenizer_remote": max,  # router/prompt/remote_tokenize.py: 1 when any worker switched
 }
 """How ``serve --workers N`` merges the live workers' values of a gauge; a gauge not named
@@ -166,6 +167,19 @@ class RouterMetrics:
             "invalid (the file did not load or validate), not_live (it changes what only a restart can: "
             "models, tokenizers, router settings, index), busy (a removed backend is still draining), failed (an unexpected error: see the log)",
             ["outcome"],
+            registry=registry,
+        )
+        self.discovery_lookups = Counter(
+            "kvrouter_discovery_lookups",
+            "DNS lookups of models[].discovery by model and outcome: ok, error (timeout, SERVFAIL, refused: "
+            "the last set is kept), empty (no address: the last set is kept)",
+            ["model", "outcome"],
+            registry=registry,
+        )
+        self.discovery_backends = Gauge(
+            "kvrouter_discovery_backends",
+            "Backends models[].discovery found and the router took, by model",
+            ["model"],
             registry=registry,
         )
         self.fleet_log_failures = Counter(
@@ -398,6 +412,8 @@ COLD_PATH = _PROCESS.cold_path
 DRAIN_IN_FLIGHT = _PROCESS.drain_in_flight
 DRAIN_CUT = _PROCESS.drain_cut
 CONFIG_RELOADS = _PROCESS.config_reloads
+DISCOVERY_LOOKUPS = _PROCESS.discovery_lookups
+DISCOVERY_BACKENDS = _PROCESS.discovery_backends
 FLEET_LOG_FAILURES = _PROCESS.fleet_log_failures
 FLEET_LOG_DELAY = _PROCESS.fleet_log_delay
 SEQUENCED = _PROCESS.sequenced

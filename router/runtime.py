@@ -85,7 +85,7 @@ class Models:
         settings = config.router
         tuning = tuning or Tuning()
         self.segment_cache_tokens = tuning.segment_cache_tokens
-        w = settings.weights
+        k = tuning.kv_aware
         self.runtimes: dict[str, ModelRuntime] = {}
         self.served: dict[str, tuple[ModelRuntime, dict[str, Any] | None]] = {}
         for m in config.models:
@@ -101,7 +101,7 @@ class Models:
                 guard=ParityGuard(m.name, m.tokenizer_mode, tuning.parity_sample_rate),
                 remote=RemoteTokenizer(m.name),
                 backends=[b.name for b in m.backends],
-                tier_weights={"GPU": 1.0, "CPU": w.cpu_tier, "STORAGE": w.storage_tier, "DISK": w.storage_tier},
+                tier_weights={"GPU": 1.0, "CPU": k.cpu_tier, "STORAGE": k.storage_tier, "DISK": k.storage_tier},
                 max_model_len=m.max_model_len,
                 has_events=any(b.kv_events for b in m.backends),
                 prefixes=prefixes,

@@ -32,6 +32,13 @@ class KvAwareTuning(BaseModel):
     uncached blocks. Below 1 a backend that holds the prompt's prefix keeps it at a longer queue: a
     session moved for its queue also loses its cache for the turns that follow. 1 (the default) until
     held-out runs say otherwise: on Mooncake tuning rows 0.5 came out level with a looser load guard."""
+    cpu_tier: float = Field(default=0.5, ge=0.0, le=1.0)
+    """What a block found in an engine's CPU tier saves, relative to one on the GPU."""
+    storage_tier: float = Field(default=0.25, ge=0.0, le=1.0)
+    """What a block found in an engine's storage tier saves, relative to one on the GPU."""
+    speculative_ttl_s: float = Field(default=2.0, ge=0.0)
+    """How long a prefix just sent to a backend counts as cached there, in seconds, before the engine's events
+    confirm it (0: off)."""
     share_window: int = Field(default=128, ge=2)
     """Decisions the request share is measured over (exponential decay): ~1/2 of a 300-request run."""
     share_cap_tokens: int = Field(default=4096, ge=0)
@@ -70,4 +77,12 @@ class Tuning(BaseModel):
     prefix_max_blocks: int = Field(default=1_000_000, ge=1)
     """Most block keys per model in the router's memory of where it sent each prefix (prefix_approx,
     kv_aware's speculative hits); the oldest go first."""
+    breaker_cooldown_s: float = Field(default=5.0, gt=0)
+    """Seconds an open circuit keeps its backend out, doubling on each re-open up to 60; then one trial
+    request decides."""
+    max_connections_per_backend: int = Field(default=512, ge=1)
+    """Most connections open to one engine at once (each request in flight holds one)."""
+    subscribe_events: bool | None = None
+    """Follow the backends' KV-event streams in this process. Default: yes with the in-memory index, no
+    with Redis (the standalone ``kvrouter indexer`` fills it)."""
     kv_aware: KvAwareTuning = KvAwareTuning()

@@ -140,7 +140,7 @@ def kv_aware(weights: KvAwareWeights, max_blocks: int, rng: random.Random | None
              tuning: KvAwareTuning | None = None) -> KvAware:
     """kv_aware with a prefix memory and request share of its own (a lone router process)."""
     tuning = tuning or KvAwareTuning()
-    return KvAware(weights, ApproxPrefixIndex(weights.speculative_ttl_s, max_blocks), Shares(tuning.share_window),
+    return KvAware(weights, ApproxPrefixIndex(tuning.speculative_ttl_s, max_blocks), Shares(tuning.share_window),
                    tuning, rng)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import random
 import signal
 import time
@@ -31,11 +32,12 @@ pytestmark = pytest.mark.slow
 class Replica:
     """One ``kvrouter serve`` (a single process) on a free port; :func:`start` waits for it."""
 
-    def __init__(self, config: dict[str, Any], tmp: Path, name: str) -> None:
+    def __init__(self, config: dict[str, Any], tmp: Path, name: str, tuning: dict[str, Any] | None = None) -> None:
         self.port = free_port()
         path = tmp / f"{name}.yaml"
         path.write_text(yaml.safe_dump(config))
-        self.proc = Proc(KVROUTER + ["serve", "--config", str(path), "--port", str(self.port), "--workers", "1"],
+        lab = ["--tuning", json.dumps(tuning)] if tuning else []
+        self.proc = Proc(KVROUTER + ["serve", "--config", str(path), "--port", str(self.port), "--workers", "1", *lab],
                          tmp / f"{name}.log")
 
     @property
@@ -48,9 +50,9 @@ class Replica:
         return r.json()
 
 
-def start(config: dict[str, Any], tmp: Path, n: int, tag: str) -> list[Replica]:
+def start(config: dict[str, Any], tmp: Path, n: int, tag: str, tuning: dict[str, Any] | None = None) -> list[Replica]:
     """``n`` replicas started together (their tokenizers load in parallel)."""
-    replicas = [Replica(config, tmp, f"{tag}{i}") for i in range(n)]
+    replicas = [Replica(config, tmp, f"{tag}{i}", tuning) for i in range(n)]
     try:
         for r in replicas:
             wait_http(r.url + "/health", timeout=120, proc=r.proc.popen)
@@ -149,8 +151,7 @@ def test_a_dead_replicas_decisions_expire_within_the_ttl(sim_fleet: Any, redis_u
     speculative_ttl_s of a's death."""
     sim = sim_fleet("--speedup", "1000", instances=2)
     config = replica_config(sim, redis_url, shared=True, events=False)
-    config["router"]["weights"] = {"speculative_ttl_s": 1.0}
-    a, b = start(config, tmp_path, 2, "ttl")
+    a, b = start(config, tmp_path, 2, "ttl", tuning={"kv_aware": {"speculative_ttl_s": 1.0}})
     try:
         prompt = f"system {random.randrange(1 << 30)} " + "a long shared context " * 60
         assert all(c["speculative_blocks"] == 0 for c in b.route(prompt)["candidates"])

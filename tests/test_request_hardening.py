@@ -174,9 +174,9 @@ def test_request_caused_500s_do_not_open_a_circuit_but_a_failing_backend_still_d
         config = {
             "models": [{"name": MODEL, "tokenizer": str(QWEN3_DIR), "block_size": 16,
                         "backends": [{"name": "a", "url": engine.url}, {"name": "b", "url": engine.url}]}],
-            "router": {"retries": 0, "breaker_failures": 3, "breaker_cooldown_s": 30, "policy": "round_robin"},
+            "router": {"retries": 0, "breaker_failures": 3, "policy": "round_robin"},
         }
-        router = RouterProc("breaker", config, tmp_path, log_level="info")
+        router = RouterProc("breaker", config, tmp_path, log_level="info", tuning={"breaker_cooldown_s": 30})
         try:
             for i in range(12):
                 r = httpx.post(router.url + "/v1/completions", json={"model": MODEL, "prompt": f"boom {i}"}, timeout=30)

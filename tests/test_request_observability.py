@@ -152,8 +152,7 @@ def test_a_backend_whose_cache_the_router_mispredicts_is_flagged_once(sim_fleet:
     rate falls, one warning names the backend, and ``/debug/backends`` shows it."""
     sim = sim_fleet("--fault-drop-events", "1.0")
     cfg = _config(sim)
-    cfg["router"]["weights"] = {"speculative_ttl_s": 0}
-    router = RouterProc("mispredicted", cfg, tmp_path)
+    router = RouterProc("mispredicted", cfg, tmp_path, tuning={"kv_aware": {"speculative_ttl_s": 0}})
     try:
         body = {"model": MODEL, "prompt": "All work and no play makes Jack a dull boy. " * 30, "max_tokens": 1}
         with httpx.Client(base_url=router.url, timeout=30) as c:

@@ -766,7 +766,7 @@ def test_a_dead_backend_is_retried_ejected_and_readmitted(fleet: dict[str, Any])
 
 def test_circuit_breaker_opens_on_repeated_5xx_and_closes_after_cooldown(fleet: dict[str, Any]) -> None:
     # A cooldown far longer than the 24 requests take: the circuit must still be open when they end.
-    cfg = fleet_config(fleet, policy="round_robin", breaker_failures=3, breaker_cooldown_s=5.0)
+    cfg = fleet_config(fleet, policy="round_robin", breaker_failures=3)
     with InProcessRouter(cfg) as r:
         fault(fleet, 1, error_rate=1.0)
         try:
@@ -786,9 +786,9 @@ def test_circuit_breaker_opens_on_repeated_5xx_and_closes_after_cooldown(fleet: 
 
 
 def test_redis_index_serves_cache_hits(fleet: dict[str, Any], redis_url: str) -> None:
-    cfg = fleet_config(fleet, subscribe_events=True)
+    cfg = fleet_config(fleet)
     cfg["index"] = redis_url
-    with InProcessRouter(cfg) as r:
+    with InProcessRouter(cfg, Tuning(subscribe_events=True)) as r:
         text = unique_text(300)
         backend = httpx.post(r.url + "/v1/completions", json={"model": MODEL, "prompt": text, "max_tokens": 1}).headers["x-kvrouter-backend"]
         deadline = time.monotonic() + 15

@@ -123,7 +123,7 @@ class KvAwareExact(_ReadsEngines, KvAware):
                 c.load = st.load
             if self.exact_cache:
                 c.matched_blocks = st.gpu_blocks + st.cpu_blocks
-                c.weighted_blocks = st.gpu_blocks + self.w.cpu_tier * st.cpu_blocks
+                c.weighted_blocks = st.gpu_blocks + self.t.cpu_tier * st.cpu_blocks
 
     def _speculative_hits(self, ctx: RequestCtx) -> dict[str, int]:
         """With the exact cache view, the prefix blocks that requests already queued on each

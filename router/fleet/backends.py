@@ -8,7 +8,7 @@ open. Two signals feed that:
 - the proxy reports every upstream outcome: a connect error ejects at once (the
   process is gone; waiting for the next check would send it more requests), and
   ``breaker_failures`` consecutive failures (5xx, resets, timeouts) open the circuit
-  for ``breaker_cooldown_s``, doubling on each re-open up to 60 s. After the cooldown
+  for ``Tuning.breaker_cooldown_s`` (5 s), doubling on each re-open up to 60 s. After the cooldown
   the circuit is half-open: the next request is a trial and its success closes it.
 
 A failure the engine *answered* (a 5xx, a stream that ended without ``[DONE]``) may be
@@ -73,6 +73,7 @@ from router import metrics
 from kvconfig import Backend, Config, RouterSettings
 from router.fleet.log import Verdict
 from router.fleet.ring import sender
+from router.tuning import Tuning
 
 if TYPE_CHECKING:
     from router.fleet.process import FleetLog
@@ -107,11 +108,12 @@ class PollError:
 class BackendState:
     """One engine's connection pool and health. Mutated only on the event loop."""
 
-    def __init__(self, backend: Backend, settings: RouterSettings) -> None:
+    def __init__(self, backend: Backend, settings: RouterSettings, tuning: Tuning | None = None) -> None:
         self.name = backend.name
         self.url = backend.url
         self.config = backend
         self.settings = settings
+        self.tuning = tuning or Tuning()
         self.session: aiohttp.ClientSession | None = None
         self.health_ok = True
         self.on_down: Callable[[str], None] | None = None
@@ -126,7 +128,7 @@ class BackendState:
         """The model of the last failure in the streak the engine answered itself, if any."""
         self._verifying: asyncio.Future[None] | None = None
         self.circuit_open_until = 0.0
-        self.cooldown_s = settings.breaker_cooldown_s
+        self.cooldown_s = self.tuning.breaker_cooldown_s
         self.ejections = 0
         self.last_error: str | None = None
         self.in_flight: dict[asyncio.Task[None], Callable[..., None]] = {}
@@ -141,7 +143,7 @@ class BackendState:
         s = self.settings
         self.session = aiohttp.ClientSession(
             base_url=self.url,
-            connector=aiohttp.TCPConnector(limit=s.max_connections_per_backend, keepalive_timeout=30.0),
+            connector=aiohttp.TCPConnector(limit=self.tuning.max_connections_per_backend, keepalive_timeout=30.0),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=s.connect_timeout_s, sock_read=s.request_timeout_s),
             auto_decompress=False,
             skip_auto_headers=("Accept-Encoding", "User-Agent"),
@@ -183,7 +185,7 @@ class BackendState:
     def record_success(self) -> None:
         self.consecutive_failures = 0
         self.answered_model = None
-        self.cooldown_s = self.settings.breaker_cooldown_s
+        self.cooldown_s = self.tuning.breaker_cooldown_s
 
     def record_failure(self, reason: str, *, connect_error: bool = False, answered: str | None = None) -> None:
         """One failed exchange; ``answered``: the engine answered it itself (the model asked),
@@ -317,8 +319,9 @@ def stall_slack(timeout_s: float) -> float:
 class BackendPool:
     """Every configured backend by name (a backend serving two models is one state)."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, tuning: Tuning | None = None) -> None:
         self.settings = config.router
+        self.tuning = tuning or Tuning()
         self.backends: dict[str, BackendState] = {}
         self._on_down: Callable[[str], None] | None = None
         self.fleet: FleetLog | None = None
@@ -328,7 +331,7 @@ class BackendPool:
         for m in config.models:
             for b in m.backends:
                 if b.name not in self.backends:
-                    self.backends[b.name] = BackendState(b, config.router)
+                    self.backends[b.name] = BackendState(b, config.router, self.tuning)
 
     def get(self, name: str) -> BackendState:
         return self.backends[name]
@@ -428,7 +431,7 @@ class BackendPool:
     async def add(self, backend: Backend) -> BackendState:
         """A backend a config reload added: its session opened and its health checked once
         before it can be chosen."""
-        b = BackendState(backend, self.settings)
+        b = BackendState(backend, self.settings, self.tuning)
         b.open()
         b.on_down = self._on_down
         b.fleet = self.fleet

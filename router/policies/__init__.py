@@ -122,8 +122,8 @@ def _kv_aware(p: Parts) -> Policy:
     return KvAware(p.config.router.weights, p.memory, p.shares, p.tuning.kv_aware)
 
 
-def speculative_ttl(settings: RouterSettings, _: Tuning) -> float:
-    return settings.weights.speculative_ttl_s
+def speculative_ttl(_: RouterSettings, tuning: Tuning) -> float:
+    return tuning.kv_aware.speculative_ttl_s
 
 
 for _name, _entry in {
