@@ -60,7 +60,8 @@ class DnsSource:
 
     dnspython rather than ``getaddrinfo``: the system resolver cannot be pointed at another
     server and port, and it answers from ``/etc/hosts`` and caches as the host is set up,
-    which is not what a fleet's service record says."""
+    which is not what a fleet's service record says. The resolver's search list applies, so a
+    short name (``vllm``, a Service in the router's own namespace) resolves as in a pod."""
 
     def __init__(self, d: Discovery) -> None:
         self.name = d.dns
@@ -76,7 +77,7 @@ class DnsSource:
         failures: list[str] = []
         for rdtype in ("A", "AAAA"):
             try:
-                answer = await self.resolver.resolve(self.name, rdtype, search=False)
+                answer = await self.resolver.resolve(self.name, rdtype, search=True)
             except (dns.resolver.NXDOMAIN, dns.resolver.NoAnswer):
                 continue  # the name has no record of this family: an answer, not a failure
             except dns.exception.DNSException as e:
