@@ -257,7 +257,9 @@ def test_every_dashboard_query_and_alert_signal_returns_data(sim_fleet: Any, tmp
         dash = json.loads(DASHBOARD.read_text())
         queries = _dashboard_queries()
         variable = next(v for v in dash["templating"]["list"] if v["name"] == "model")
-        metric, label = re.fullmatch(r"label_values\((\w+),\s*(\w+)\)", variable["definition"]).groups()
+        found = re.fullmatch(r"label_values\((\w+),\s*(\w+)\)", variable["definition"])
+        assert found, variable["definition"]
+        metric, label = found.groups()
         queries[f"variable model: {variable['definition']}"] = f'count by ({label}) ({metric}{{{label}="{MODEL}"}})'
         missing = _unanswered(prom, queries, timeout=20)
         exported = {s["metric"]["__name__"] for s in prom.query('count by (__name__) ({__name__=~"kvrouter_.+"})')}
