@@ -18,8 +18,8 @@ $(STAMP): pyproject.toml | $(BIN)/python
 install: $(STAMP)
 
 # The suite runs real servers, installed with apt-get when absent: redis-server (the Redis index and
-# replicas), dnsmasq (DNS discovery). Each entry is COMMAND:PACKAGE; one apt-get run installs what is missing.
-SYSTEM_PKGS := redis-server:redis-server dnsmasq:dnsmasq-base
+# replicas), dnsmasq (DNS discovery), prometheus and promtool (the dashboard and alerts). Each entry is COMMAND:PACKAGE; one apt-get run installs what is missing.
+SYSTEM_PKGS := redis-server:redis-server dnsmasq:dnsmasq-base prometheus:prometheus promtool:prometheus
 system:
 	@missing=""; for p in $(SYSTEM_PKGS); do cmd=$${p%%:*}; \
 	  command -v $$cmd >/dev/null 2>&1 || [ -x /usr/sbin/$$cmd ] || missing="$$missing $${p#*:}"; done; \
