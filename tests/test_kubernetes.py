@@ -188,6 +188,9 @@ def test_every_object_validates_against_the_pinned_kubernetes_schemas(rendered: 
         except kubernetes_validate.ValidationError as e:
             errors.append(f"{o['kind']} {o['metadata']['name']}: {e.message} at {'/'.join(map(str, e.path))}")
     assert not errors, f"{rendered.name} against Kubernetes {KUBERNETES_VERSION}:\n" + "\n".join(errors)
+    for w in rendered.workloads():  # the API server's own check, which no schema expresses
+        assert selects(w["spec"]["selector"]["matchLabels"], pod_labels(w)), \
+            f"{w['kind']} {w['metadata']['name']}: its selector does not match its pod template's labels"
 
 
 def test_the_router_serves_the_mounted_config_on_its_container_port(rendered: Rendered, tmp_path: Path) -> None:
