@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -48,8 +49,9 @@ Obj = dict[str, Any]
 
 
 def kubectl() -> str:
-    """kubectl with its built-in kustomize, or a failure that says how to get it."""
-    exe = shutil.which("kubectl")
+    """kubectl with its built-in kustomize (on PATH, or next to this interpreter: ``make test``
+    may download it into .venv/bin), or a failure that says how to get it."""
+    exe = shutil.which("kubectl") or shutil.which("kubectl", path=str(Path(sys.executable).parent))
     if exe is None:
         pytest.fail("kubectl is not installed: tests/test_kubernetes.py renders deploy/kubernetes with "
                     "`kubectl kustomize` (a static binary from https://dl.k8s.io/release/v1.32.4/bin/linux/amd64/kubectl)")
