@@ -314,8 +314,18 @@ def test_keys_come_from_the_secret_under_the_names_the_router_reads(
     config = serve(rendered, tmp_path).config
     assert config.router.api_key and config.router.api_key.get_secret_value() == values["KVROUTER_API_KEY"]
     assert config.router.admin_api_key and config.router.admin_api_key.get_secret_value() == values["KVROUTER_ADMIN_API_KEY"]
-    for b in (b for m in config.models for b in m.backends):
-        assert b.api_key and b.api_key.get_secret_value() == values["KVROUTER_BACKEND_API_KEY"]
+    for m in config.models:
+        for b in m.backends + discovered(m):
+            assert b.api_key and b.api_key.get_secret_value() == values["KVROUTER_BACKEND_API_KEY"]
+
+
+def discovered(model: Any, addresses: tuple[str, ...] = ("10.0.0.7",)) -> list[Any]:
+    """The backends the router makes of a lookup's addresses for ``model`` (none without discovery)."""
+    from router.fleet.discovery import Follower, backends
+
+    if model.discovery is None:
+        return []
+    return backends(model.discovery, list(addresses), Follower(model.name, model.discovery, apply=None).api_key)  # type: ignore[arg-type]
 
 
 def engine_args(r: Rendered) -> tuple[Obj, list[str]]:
@@ -349,8 +359,8 @@ def test_the_config_hashes_as_the_engines_do(rendered: Rendered, tmp_path: Path)
 
 
 def test_the_backends_are_the_engine_pods(rendered: Rendered, tmp_path: Path) -> None:
-    """One backend per StatefulSet pod, by the stable name the headless Service gives it
-    (pod-i.service), on the ports the engine serves HTTP, events and replays on."""
+    """The engines are the StatefulSet's pods, found through the headless Service that selects
+    them (one address per ready pod), on the ports each serves HTTP, events and replays on."""
     config = serve(rendered, tmp_path).config
     sts = rendered.get("StatefulSet", ENGINES)
     c, argv = engine_args(rendered)
@@ -361,9 +371,9 @@ def test_the_backends_are_the_engine_pods(rendered: Rendered, tmp_path: Path) ->
     http = int(flag(argv, "--port") or 8000)
     assert http == container_port(c, "http")
     (model,) = config.models
-    hosts = [f"{sts['metadata']['name']}-{i}.{svc['metadata']['name']}" for i in range(sts["spec"]["replicas"])]
-    assert [urlsplit(b.url).hostname for b in model.backends] == hosts, "the backends are not the StatefulSet's pods"
-    for b in model.backends:
+    assert model.discovery is not None and model.discovery.dns == svc["metadata"]["name"], \
+        "discovery does not ask the engines' headless Service"
+    for b in discovered(model, ("10.0.0.7", "10.0.0.8")):
         assert urlsplit(b.url).port == http
         assert b.kv_events and b.kv_replay, f"backend {b.name} has no KV-event stream: the router would route blind"
         assert b.kv_events.startswith(f"tcp://{urlsplit(b.url).hostname}:")
@@ -398,7 +408,7 @@ def test_network_policies_admit_the_router_and_no_one_else_to_private_ports(rend
     config = serve(rendered, tmp_path).config
     router = pod_labels(rendered.get("Deployment", ROUTER))
     stranger = {"app.kubernetes.io/name": "stranger"}
-    backend = config.models[0].backends[0]
+    backend = discovered(config.models[0])[0]
     engines = rendered.get("StatefulSet", ENGINES)
     reached = [(engines, urlsplit(backend.url).port or 80, False)]
     reached += [(engines, zmq_port(e), True) for e in (backend.kv_events or "", backend.kv_replay or "")]
