@@ -105,7 +105,8 @@ def coalesce(records: list[Record]) -> list[Record]:
         if type(r) is Changed:
             if (c := sums.get(r.backend)) is None:
                 c = sums[r.backend] = Changed(r.backend, (0, 0, 0, 0, 0), [])
-            c.load, c.ended = tuple(a + b for a, b in zip(c.load, r.load)), c.ended + r.ended  # type: ignore[assignment]
+            c.load = tuple(a + b for a, b in zip(c.load, r.load))  # type: ignore[assignment]
+            c.ended += r.ended  # c's own list: one copy per batch, not one per record
             continue
         if type(r) is Snapshot:
             out += sums.values()
