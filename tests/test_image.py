@@ -18,7 +18,7 @@ process in the container non-root, the access log on the container's stdout, and
 (``podman stop``) draining and exiting 0 well before podman would kill it.
 
 podman, runc and debootstrap missing fail the module with what installs them (``make
-podman``); they are never skipped. Rootful podman and debootstrap need root. Cold (no
+system``); they are never skipped. Rootful podman and debootstrap need root. Cold (no
 base, no layers): about 3 minutes on 2 cores; warm: about 25 s.
 """
 
@@ -102,7 +102,7 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> Built:
     tools = ("podman", "runc") if BASE else ("podman", "runc", "debootstrap")
     missing = [tool for tool in tools if shutil.which(tool) is None]
     if missing:
-        pytest.fail(f"{', '.join(missing)} not installed: `make test` installs them with apt-get (`make podman`)")
+        pytest.fail(f"{', '.join(missing)} not installed: `make test` installs them with apt-get (`make system`)")
     if os.geteuid() != 0:
         pytest.fail("the image test runs podman rootful and debootstrap, both as root")
     base = BASE
