@@ -62,14 +62,9 @@ class ApproxPrefixIndex:
 
     def insert(self, keys: list[int], backend: str) -> None:
         """Remember that ``backend`` was just sent the chain ``keys`` (only its stored positions are kept)."""
-        if keys:  # a prompt under one block has none (_positions(0) is [0])
-            self.insert_stored(stored_keys(keys), backend)
-
-    def insert_stored(self, stored: list[int], backend: str) -> None:
-        """:meth:`insert` for a chain given by its keys at the stored positions only (another
-        process's decision, folded from the fleet-state log: :mod:`router.fleet.log`)."""
-        if self.ttl_s <= 0 or not stored:
+        if self.ttl_s <= 0 or not keys:  # a prompt under one block has none (_positions(0) is [0])
             return
+        stored = stored_keys(keys)
         now = self._clock()
         expiry = now + self.ttl_s
         entries = self._entries
