@@ -35,15 +35,18 @@ HISTORY = 900
 (1,000 by default, vLLM's too): a longer answer loses batches on loopback, and the index
 each re-sync rebuilds (the memory it holds) would vary from cycle to cycle."""
 BLOCKS_PER_BATCH = 64
-CYCLES = 10
-GROWTH_BOUND_MB = 8.0
+CYCLES = 12
+GROWTH_BOUND_MB = 12.0
 """Anonymous memory a re-synced router may hold above its level before the first ejection.
-Measured on the shared 2-core machine over 12 cycles: with the trim -0.7 to +4.7 MB,
-no trend; without it +2.5 MB after the first re-sync, saturating at +5.3 (the burst's
-high-water mark kept), on a level 63 MB higher (the start-up's freed pages never given
-back). A leak of 1 MB per ejection crosses the bound within the cycles."""
-TREND_BOUND_MB = 3.0
-"""The mean of the last four cycles above the mean of the first four: flat means noise."""
+After each re-sync glibc's thread arenas settle in one of a few states, so the level
+jumps between cycles without a trend: over 40 cycles on a quiet host it cycled through
+about +0.6, +3.2 and +6.2 MB; a loaded CI host read +8.3 once. Without the trim the level
+sits 63 MB higher (the start-up's freed pages never given back)."""
+FLOOR_RISE_BOUND_MB = 3.0
+"""How far the lowest reading of the last four cycles may sit above the lowest of the
+first four. The arena states make single readings noisy, but their floor is steady: it
+rose 0.6 MB over 40 cycles (15 KB per ejection). A leak of 0.5 MB per ejection raises it
+4 MB within the cycles."""
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -129,7 +132,7 @@ def test_ejection_and_resync_cycles_leave_router_memory_flat(tmp_path: Path) -> 
             pub.close()
     assert blocks == [HISTORY * BLOCKS_PER_BATCH] * CYCLES, f"a re-sync rebuilt a different index: {blocks}"
     assert max(growth) < GROWTH_BOUND_MB, f"router anonymous memory above its pre-ejection level, per cycle: {growth} MB"
-    assert sum(growth[-4:]) / 4 - sum(growth[:4]) / 4 < TREND_BOUND_MB, f"growing per ejection: {growth} MB"
+    assert min(growth[-4:]) - min(growth[:4]) < FLOOR_RISE_BOUND_MB, f"growing per ejection: {growth} MB"
     trims = {line.split('"')[1]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
              if line.startswith("kvrouter_kv_event_heap_trims_total{")}
     assert sum(trims.values()) >= CYCLES + 1 and trims.get("released", 0) >= 1, trims
