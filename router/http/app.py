@@ -220,7 +220,7 @@ class Handlers:
                 }
                 for c in decided.candidates
             ],
-        }
+        } | self.router.sharing()
         if request.query_params.get("include_tokens", "").lower() in ("1", "true", "yes"):
             answer["token_ids"] = decided.token_ids
         return json_response(answer)
