@@ -18,6 +18,12 @@ reports its own server-side timing (request received -> upstream request sent, a
 tokenize / hash parts of it) from its histograms, which network and client noise on a
 shared machine do not reach.
 
+``--otel`` adds a target, ``kvrouter otel``: the same router with OpenTelemetry tracing on
+(``OTEL_TRACES_EXPORTER=otlp``, every request sampled), exporting over OTLP/HTTP to a null
+collector this bench runs, so the serialising and sending of spans is counted, not only
+their making. Its overhead next to ``kvrouter``'s, measured turn by turn in the same run,
+is what tracing costs.
+
 Max req/s: short chat requests from many keep-alive connections for a few seconds
 against a *null engine* (below), so that neither the engine nor the client limits the
 router. The client is a minimal asyncio HTTP/1.1 keep-alive loop: httpx itself costs
@@ -100,10 +106,24 @@ async def null_engine(scope: dict[str, Any], receive: Any, send: Any) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-def run_null_engine(port: int) -> None:
+async def null_collector(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """An OTLP/HTTP trace collector that takes every export and keeps nothing (an empty
+    protobuf body is a whole ``ExportTraceServiceResponse``)."""
+    if scope["type"] != "http":
+        return
+    more = True
+    while more:
+        msg = await receive()
+        more = msg.get("more_body", False)
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"application/x-protobuf"), (b"content-length", b"0")]})
+    await send({"type": "http.response.body", "body": b""})
+
+
+def run_null_engine(port: int, app: Any = null_engine) -> None:
     import uvicorn
 
-    uvicorn.run(null_engine, host="127.0.0.1", port=port, loop="uvloop", http="httptools", access_log=False, log_level="warning")
+    uvicorn.run(app, host="127.0.0.1", port=port, loop="uvloop", http="httptools", access_log=False, log_level="warning")
 
 
 # -- workloads --------------------------------------------------------------------------
@@ -291,12 +311,12 @@ def serve_supports_workers() -> bool:
     return "--workers" in out
 
 
-def start_kvrouter(cfg: Path, log: Path, workers: int | None = None) -> tuple[Proc, str]:
+def start_kvrouter(cfg: Path, log: Path, workers: int | None = None, env: dict[str, str] | None = None) -> tuple[Proc, str]:
     """``kvrouter serve``; ``workers`` given as ``--workers`` (None: the command's default,
     which is one process on a tree without ``--workers`` and every core on one with it)."""
     port = free_port()
     extra = [] if workers is None else ["--workers", str(workers)]
-    proc = Proc(KVROUTER + ["serve", "--config", str(cfg), "--port", str(port), "--log-level", "warning", *extra], log)
+    proc = Proc(KVROUTER + ["serve", "--config", str(cfg), "--port", str(port), "--log-level", "warning", *extra], log, env=env)
     wait_http(f"http://127.0.0.1:{port}/health", timeout=180, proc=proc.popen)
     return proc, f"http://127.0.0.1:{port}"
 
@@ -449,6 +469,8 @@ def main() -> None:
     ap.add_argument("--rps-seconds", type=float, default=3.0)
     ap.add_argument("--no-peer", action="store_true", help="skip vllm-router")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
+    ap.add_argument("--otel", action="store_true",
+                    help="also measure kvrouter with OpenTelemetry tracing on (OTLP to a null collector): target 'kvrouter otel'")
     ap.add_argument("--sweep", action="store_true", help="only the warm 10-turn concurrency sweep (issue 16)")
     ap.add_argument("--sweep-repeats", type=int, default=3)
     ap.add_argument("--levels", type=lambda v: tuple(int(x) for x in v.split(",")), default=SWEEP_LEVELS,
@@ -479,6 +501,16 @@ def main() -> None:
         router, router_url = start_kvrouter(tmp / "sim.yaml", tmp / "router.log", one)
         procs.append(router)
         targets = {"direct": f"http://127.0.0.1:{sim_http}", "kvrouter": router_url}
+        if args.otel:
+            collector_port = free_port()
+            collector = Proc([sys.executable, __file__, "--null-collector", str(collector_port)], tmp / "collector.log")
+            procs.append(collector)
+            wait_http(f"http://127.0.0.1:{collector_port}/", timeout=60, proc=collector.popen)
+            traced, traced_url = start_kvrouter(tmp / "sim.yaml", tmp / "router-otel.log", one, env={
+                "OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{collector_port}",
+                "OTEL_TRACES_SAMPLER": "always_on"})
+            procs.append(traced)
+            targets["kvrouter otel"] = traced_url
         have_peer = not args.no_peer and vllm_router_binary() is not None
         if have_peer:
             workers = [(sim_http + i, sim_ev + i) for i in range(2)]
@@ -540,6 +572,12 @@ def main() -> None:
         null_router, null_router_url = start_kvrouter(tmp / "null.yaml", tmp / "router-null.log", one)
         procs.append(null_router)
         rps_targets = {"direct (null engine)": null_port, "kvrouter": int(null_router_url.rsplit(":", 1)[1])}
+        if args.otel:
+            traced_null, traced_null_url = start_kvrouter(tmp / "null.yaml", tmp / "router-null-otel.log", one, env={
+                "OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{collector_port}",
+                "OTEL_TRACES_SAMPLER": "always_on"})
+            procs.append(traced_null)
+            rps_targets["kvrouter otel"] = int(traced_null_url.rsplit(":", 1)[1])
         if have_peer:
             p, url = start_vllm_router("round_robin", [(null_port, None)], tmp / "null")
             procs.append(p)
@@ -557,6 +595,8 @@ def main() -> None:
                 for conc in (1, 32):
                     rows = {r["target"]: r for r in results["latency"] if r["case"] == case and r["stream"] == stream and r["concurrency"] == conc}
                     line = f"  {case:22} {'stream' if stream else 'whole':7} c={conc:<3} kvrouter {rows['kvrouter']['overhead_p50_ms']:7.2f}"
+                    if "kvrouter otel" in rows:
+                        line += f" | kvrouter otel {rows['kvrouter otel']['overhead_p50_ms']:7.2f}"
                     for peer in ("vllm-router rr", "vllm-router kv"):
                         if peer in rows:
                             line += f" | {peer} {rows[peer]['overhead_p50_ms']:7.2f} (p50 latency ratio {rows['kvrouter']['p50_ms'] / rows[peer]['p50_ms']:.2f}x)"
@@ -583,5 +623,7 @@ def main() -> None:
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--null-engine":
         run_null_engine(int(sys.argv[2]))
+    elif len(sys.argv) == 3 and sys.argv[1] == "--null-collector":
+        run_null_engine(int(sys.argv[2]), null_collector)
     else:
         main()

@@ -63,6 +63,7 @@ def commit(d: Decided, backend: str) -> None:
     if note is not None:
         note.model = name
         note.reason = decision.reason if backend == decision.backend else "fallback"
+        note.routed(d)
     if backend != decision.backend:
         # A retry after the chosen backend failed before answering.
         rt.policy.commit(ctx, Decision(backend, "fallback", decision.order))
@@ -100,6 +101,10 @@ class Decided:
     admitted: Pass = OPEN
     """Its way through the router's admission queue; whoever sends it calls ``taken()`` once
     :meth:`router.request_path.RequestPath.send` returned (the load ticket is held), or it failed."""
+    started: float = 0.0
+    planned: float = 0.0
+    """When deciding it began and when its plan was made (``time.perf_counter()``): the stage
+    boundaries a request's trace shows (:mod:`router.http.spans`)."""
 
     @property
     def rt(self) -> ModelRuntime:

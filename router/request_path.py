@@ -92,6 +92,7 @@ class RequestPath:
         salt = validate_fields(body, kind)
         q = Query(rt, body, kind, raw_len, lora, salt)
         plan = await self.planner.plan(q) if act else await self.planner.exact(q)  # 3. plan
+        planned = time.perf_counter()
         queue = self.queues.get(rt.name) if act else None
         admitted = OPEN
         if queue is not None:  # 4. look up, once the queue lets it through
@@ -101,7 +102,7 @@ class RequestPath:
         except BaseException:
             admitted.taken()
             raise
-        d.admitted = admitted
+        d.admitted, d.started, d.planned = admitted, started, planned
         return d
 
     async def _choose(self, q: Query, plan: Plan, headers: Any, act: bool, started: float) -> Decided:

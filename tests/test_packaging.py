@@ -24,7 +24,9 @@ from support import REPO
 KVROUTER_BIN = Path(sys.executable).with_name("kvrouter")
 NOT_INSTALLED = ("psutil", "locust", "matplotlib", "vllm_router")
 """The import names of every optional dependency (pyproject's extras, less what the core
-dependencies already bring)."""
+dependencies already bring). The ``otel`` extra's are not here: FastAPI imports the
+OpenTelemetry API itself, so ``opentelemetry`` cannot be hidden whole; tests/test_tracing.py
+hides the SDK and the exporter alone."""
 
 BLOCKER = f"""\
 import sys

@@ -16,7 +16,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -34,12 +34,18 @@ from router.parse import json_response, parse_body, read_body
 from router.http.proxy import ProxyResponse, Upstream, forwarded_headers
 from router.tuning import Tuning
 
+if TYPE_CHECKING:
+    from opentelemetry.trace import Tracer
+
 log = logging.getLogger(__name__)
 
 
-def create_app(config: Config, index: Index | None = None, tuning: Tuning | None = None) -> Endpoints:
+def create_app(config: Config, index: Index | None = None, tuning: Tuning | None = None,
+               tracer: Tracer | None = None) -> Endpoints:
     """The ASGI app: FastAPI owns start-up and shutdown, :class:`router.http.dispatch.Endpoints`
-    calls :class:`Handlers`' methods straight for the routes of :data:`ROUTES`."""
+    calls :class:`Handlers`' methods straight for the routes of :data:`ROUTES`. With a
+    ``tracer`` (:func:`router.http.tracing.start`) every request but a probe gets its spans;
+    without one nothing of OpenTelemetry is imported."""
     router = Router(config, index, tuning)
     handlers = Handlers(router, Access(config.router))
     if handlers.access.admin_same_as_client:
@@ -55,7 +61,12 @@ def create_app(config: Config, index: Index | None = None, tuning: Tuning | None
 
     app = FastAPI(title="kvrouter", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.router = router
-    endpoints = Endpoints(app)
+    observer = observe.Observed
+    if tracer is not None:
+        from router.http.spans import traced
+
+        observer = traced(tracer, {path for _, path in ROUTES})
+    endpoints = Endpoints(app, observer)
     for (method, path), name in ROUTES.items():
         endpoints.add(method, path, getattr(handlers, name))
     endpoints.add("GET", "/v1/models/{model_id:path}", handlers.model)  # matched by the fallback (a parameter)

@@ -9,7 +9,7 @@ looks the (method, path) up in a dict and calls the endpoint; anything else (lif
 HEAD, a wrong method, an unknown path) goes to the FastAPI app, which also owns start-up
 and shutdown and knows the same routes (so a wrong method is a 405 there). Every request,
 either way, is :class:`~router.http.observe.Observed`: its id, TTFT, duration, tokens and
-access-log line.
+access-log line (and, with tracing on, its spans; probes and scrapes are never traced).
 
 Errors keep one shape: a :class:`~router.http.errors.RouterError` becomes its OpenAI error
 (counted in ``kvrouter_rejected_total``), and an unexpected exception is logged and
@@ -84,9 +84,13 @@ async def answer(endpoint: Endpoint, request: Request) -> Response:
 class Endpoints:
     """ASGI app: ``routes[(method, path)]`` directly, ``fallback`` for everything else."""
 
-    def __init__(self, fallback: Starlette) -> None:
+    def __init__(self, fallback: Starlette, observer: type[Observed] = Observed) -> None:
         self.fallback = fallback
         self.access_log = access_log_on()
+        self.observer = observer
+        """What each request but a probe is observed as: :class:`Observed`, or with tracing on
+        its subclass that also makes the request's spans (chosen once, so tracing off costs
+        nothing per request)."""
         self.routes: dict[tuple[str, str], Endpoint] = {}
         fallback.add_exception_handler(RouterError, _on_router_error)
         fallback.add_exception_handler(HTTPException, _on_http_error)
@@ -107,7 +111,10 @@ class Endpoints:
         if scope["type"] != "http":
             await self.fallback(scope, receive, send)
             return
-        observed = Observed(scope, send, self.access_log and scope["path"] not in UNLOGGED_PATHS)
+        if scope["path"] in UNLOGGED_PATHS:
+            observed = Observed(scope, send, False)
+        else:
+            observed = self.observer(scope, send, self.access_log)
         try:
             endpoint = self.routes.get((scope["method"], scope["path"]))
             if endpoint is None:

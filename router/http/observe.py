@@ -27,6 +27,8 @@ byte to the client:
 
 The request path adds what only it knows (model, decision reason, predicted cached tokens)
 through :func:`current`, a context variable: the proxy runs in the request's own task.
+With tracing on, each request is a :class:`router.http.spans.Traced` instead, which also
+makes its OpenTelemetry spans (:mod:`router.http.tracing`).
 """
 
 from __future__ import annotations
@@ -191,12 +193,17 @@ class Observed:
         headers.append((REQUEST_ID, self.id.encode()))
         message["headers"] = headers
 
+    def routed(self, d: Any) -> None:
+        """The request path decided ``d`` (a :class:`router.choose.Decided`) and sends it now,
+        once per try. Nothing here needs more than the model and reason already noted; a
+        traced request (:class:`router.http.spans.Traced`) keeps it and the time for its spans."""
+
     def finish(self) -> None:
         """The answer has gone out: count it and write its access-log line."""
         _current.reset(self._token)
         now = time.perf_counter()
         e2e = now - self.started
-        usage = _usage(self.tail) if self.tail else None
+        usage = usage_of(self.tail) if self.tail else None
         model, backend = self.model, self.backend
         ttft = self.first_output - self.started if self.first_output is not None else None
         if model is not None and backend is not None:
@@ -227,7 +234,7 @@ def _has_output(body: bytes, mark: bytes) -> bool:
     return False
 
 
-def _usage(data: bytes) -> tuple[int | None, int | None, int | None] | None:
+def usage_of(data: bytes) -> tuple[int | None, int | None, int | None] | None:
     """(prompt, completion, cached) tokens of the last ``usage`` object in ``data``, if any.
 
     Cut out by brace counting from its key rather than by decoding the whole body: a

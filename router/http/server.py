@@ -1,10 +1,13 @@
-"""``kvrouter serve --config FILE [--port P] [--policy NAME] [--workers N] [--reload-config]``: run the router.
+"""``kvrouter serve --config FILE [--port P] [--policy NAME] [--workers N] [--reload-config] [--otel]``: run the router.
 
 uvicorn with uvloop and httptools (the fastest event loop and HTTP parser it offers);
 access logs are off because they cost more than routing a short request. With one
 worker (``--workers 1``) this is the whole router, in one process; with more, a
 supervisor (:mod:`router.http.workers`) runs this same command once per worker, each with
 its own ``SO_REUSEPORT`` socket on the port and the directory of the host's fleet-state ring.
+
+``--otel``, or ``OTEL_TRACES_EXPORTER=otlp|console`` in the environment, turns on
+OpenTelemetry tracing (:mod:`router.http.tracing`; each worker sets up its own exporter).
 
 The GIL switch interval is lowered from 5 ms to 0.5 ms: the KV-event subscriber and the
 tokenizer pool are CPU-bound threads, and with the default interval the event loop can
@@ -49,6 +52,7 @@ from typing import TYPE_CHECKING
 import uvicorn
 
 from router import metrics
+from router.http import tracing
 from router.http.guard import Limits, default_max_connections, guarded, raise_fd_limit
 from kvconfig import Config, ConfigError, load_config
 from router.policies import load_plugins, offered
@@ -84,6 +88,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="json: one JSON object per log line (ts, level, logger, worker, message, exc)")
     parser.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=None,
                         help="one JSON line per request on stdout (default on; KVROUTER_ACCESS_LOG=0 turns it off)")
+    parser.add_argument("--otel", action="store_true",
+                        help="OpenTelemetry tracing: spans over OTLP (OTEL_EXPORTER_OTLP_ENDPOINT) unless "
+                             "OTEL_TRACES_EXPORTER names another exporter; OTEL_TRACES_EXPORTER=otlp|console turns it on "
+                             "too (needs the 'otel' extra; docs/operations.md)")
     parser.add_argument("--reload-config", action="store_true",
                         help="reload --config whenever the file changes (SIGHUP always reloads it): backends can be "
                              "added and removed without dropping traffic")
@@ -257,7 +265,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = read_config(args)
         tuning = read_tuning(args.tuning)
-    except ConfigError as e:
+        traces = tracing.exporters(args.otel)
+        if traces:
+            tracing.check(traces)
+            os.environ["OTEL_TRACES_EXPORTER"] = ",".join(traces)  # what the workers read, --otel included
+    except (ConfigError, tracing.TracingError) as e:
         print(e, file=sys.stderr)
         return 2
     if args.workers is not None and args.workers < 1:
@@ -292,8 +304,9 @@ def run(args: argparse.Namespace) -> int:
     if problem is not None:
         print(f"{args.config}: {problem}", file=sys.stderr)
         return 3
+    tracer = tracing.start(traces, args.worker_index) if traces else None
     try:
-        app = create_app(config, tuning=tuning)
+        app = create_app(config, tuning=tuning, tracer=tracer)
     except (ValueError, OSError) as e:
         print(f"{args.config}: {e}", file=sys.stderr)
         return 2
