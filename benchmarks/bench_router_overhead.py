@@ -18,6 +18,10 @@ reports its own server-side timing (request received -> upstream request sent, a
 tokenize / hash parts of it) from its histograms, which network and client noise on a
 shared machine do not reach.
 
+``--before DIR`` adds a target, ``kvrouter before``: the router of another checkout (a
+``git worktree`` at an older commit) in front of the same engines, taking turns with the
+others request by request, so a change's cost is measured in one run.
+
 ``--otel`` adds a target, ``kvrouter otel``: the same router with OpenTelemetry tracing on
 (``OTEL_TRACES_EXPORTER=otlp``, every request sampled), exporting over OTLP/HTTP to a null
 collector this bench runs, so the serialising and sending of spans is counted, not only
@@ -311,12 +315,18 @@ def serve_supports_workers() -> bool:
     return "--workers" in out
 
 
-def start_kvrouter(cfg: Path, log: Path, workers: int | None = None, env: dict[str, str] | None = None) -> tuple[Proc, str]:
+def start_kvrouter(cfg: Path, log: Path, workers: int | None = None, env: dict[str, str] | None = None,
+                   tree: Path | None = None) -> tuple[Proc, str]:
     """``kvrouter serve``; ``workers`` given as ``--workers`` (None: the command's default,
-    which is one process on a tree without ``--workers`` and every core on one with it)."""
+    which is one process on a tree without ``--workers`` and every core on one with it);
+    ``tree``: the router of another checkout (``git worktree add DIR COMMIT``), run with this
+    venv, for a before/after comparison in one run."""
     port = free_port()
     extra = [] if workers is None else ["--workers", str(workers)]
-    proc = Proc(KVROUTER + ["serve", "--config", str(cfg), "--port", str(port), "--log-level", "warning", *extra], log, env=env)
+    where = {} if tree is None else {"cwd": tree}
+    env = env if tree is None else {**(env or {}), "PYTHONPATH": str(tree)}
+    proc = Proc(KVROUTER + ["serve", "--config", str(cfg), "--port", str(port), "--log-level", "warning", *extra], log,
+                env=env, **where)
     wait_http(f"http://127.0.0.1:{port}/health", timeout=180, proc=proc.popen)
     return proc, f"http://127.0.0.1:{port}"
 
@@ -469,6 +479,10 @@ def main() -> None:
     ap.add_argument("--rps-seconds", type=float, default=3.0)
     ap.add_argument("--no-peer", action="store_true", help="skip vllm-router")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
+    ap.add_argument("--cases", type=lambda v: set(v.split(",")), default={"cold", "warm"},
+                    help="which latency cases: cold, warm or both (default cold,warm)")
+    ap.add_argument("--before", type=Path, default=None,
+                    help="also a target 'kvrouter before': the router of this other checkout (e.g. a git worktree at an older commit)")
     ap.add_argument("--otel", action="store_true",
                     help="also measure kvrouter with OpenTelemetry tracing on (OTLP to a null collector): target 'kvrouter otel'")
     ap.add_argument("--sweep", action="store_true", help="only the warm 10-turn concurrency sweep (issue 16)")
@@ -501,6 +515,10 @@ def main() -> None:
         router, router_url = start_kvrouter(tmp / "sim.yaml", tmp / "router.log", one)
         procs.append(router)
         targets = {"direct": f"http://127.0.0.1:{sim_http}", "kvrouter": router_url}
+        if args.before is not None:
+            earlier, earlier_url = start_kvrouter(tmp / "sim.yaml", tmp / "router-before.log", one, tree=args.before)
+            procs.append(earlier)
+            targets["kvrouter before"] = earlier_url
         if args.otel:
             collector_port = free_port()
             collector = Proc([sys.executable, __file__, "--null-collector", str(collector_port)], tmp / "collector.log")
@@ -530,6 +548,7 @@ def main() -> None:
         # The warm case is cheap and its overhead the smallest, so the one most drowned in this
         # shared machine's noise: it sends 3x the requests, for a steadier median.
         cases.append(("warm 10-turn 8k+200", 3 * reps, seen))
+        cases = [c for c in cases if c[0].split()[0] in args.cases]
 
         tok_ms = {case: tokenizer_ms(texts, int(case.split()[1][:-1]) * 1000) for case, _, prime in cases if prime is None}
         results["tokenizer_ms"] = tok_ms
@@ -572,6 +591,10 @@ def main() -> None:
         null_router, null_router_url = start_kvrouter(tmp / "null.yaml", tmp / "router-null.log", one)
         procs.append(null_router)
         rps_targets = {"direct (null engine)": null_port, "kvrouter": int(null_router_url.rsplit(":", 1)[1])}
+        if args.before is not None:
+            earlier_null, earlier_null_url = start_kvrouter(tmp / "null.yaml", tmp / "router-null-before.log", one, tree=args.before)
+            procs.append(earlier_null)
+            rps_targets["kvrouter before"] = int(earlier_null_url.rsplit(":", 1)[1])
         if args.otel:
             traced_null, traced_null_url = start_kvrouter(tmp / "null.yaml", tmp / "router-null-otel.log", one, env={
                 "OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{collector_port}",
@@ -595,6 +618,8 @@ def main() -> None:
                 for conc in (1, 32):
                     rows = {r["target"]: r for r in results["latency"] if r["case"] == case and r["stream"] == stream and r["concurrency"] == conc}
                     line = f"  {case:22} {'stream' if stream else 'whole':7} c={conc:<3} kvrouter {rows['kvrouter']['overhead_p50_ms']:7.2f}"
+                    if "kvrouter before" in rows:
+                        line += f" | before {rows['kvrouter before']['overhead_p50_ms']:7.2f}"
                     if "kvrouter otel" in rows:
                         line += f" | kvrouter otel {rows['kvrouter otel']['overhead_p50_ms']:7.2f}"
                     for peer in ("vllm-router rr", "vllm-router kv"):
