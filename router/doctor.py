@@ -10,9 +10,12 @@ every lookup miss without any error, and an events endpoint given as ``ip`` inst
   probe completion so the engine stores blocks, and reads the events that follow;
 - whether the first ``BlockStored``'s hashes match the router's hasher, and if not the
   setting that would make them match (through :class:`indexer.verify.HashVerifier`);
-- whether the engine's ``/tokenize`` agrees with local tokenization on a sample chat.
+- whether the engine's ``/tokenize`` agrees with local tokenization on a sample chat;
+- with ``--router [URL]``, how often a running router's predicted cached tokens have agreed
+  with those the engine reported, on live traffic (:mod:`router.doctor_fidelity`).
 
-Exit status 0 when every check passed, 1 otherwise, 2 for an unreadable config.
+Exit status 0 when every check passed, 1 otherwise (a low agreement, or a router that could
+not be read, included), 2 for an unreadable config.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import Any
 import httpx
 import zmq
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from indexer.events import BlockStored, EventDecodeError, build_replay_request, decode_batch, parse_pub_frames, parse_replay_reply
@@ -35,7 +39,8 @@ from indexer.hashing import BlockHasher, HashConfigError
 from indexer.index import Worker
 from indexer.subscriber import offset_endpoint
 from indexer.verify import HashVerifier
-from kvconfig import Backend, ConfigError, Model, load_config
+from kvconfig import Backend, Config, ConfigError, Model, load_config
+from router.doctor_fidelity import RouterUnavailable, RouterUnreachable, read, router_url
 from router.prompt.prompt_fields import TokenizeError
 from router.prompt.tokenize import load_tokenizer
 
@@ -69,10 +74,25 @@ class BackendReport:
         self.checks.append(Check(name, ok, detail))
 
 
+@dataclass
+class RouterReport:
+    """The running router ``--router`` read: one check, whether it answered (and which workers)."""
+
+    router: str
+    checks: list[Check] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok is not False for c in self.checks)
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, help="fleet config (YAML)")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for each backend's answers and events")
     parser.add_argument("--json", action="store_true", help="print the reports as JSON")
+    parser.add_argument("--router", nargs="?", const="", default=None, metavar="URL",
+                        help="also report each backend's live fidelity (predicted vs reported cached tokens) from the "
+                             "router at URL (alone: the config's router.host and port), read with the admin key")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -81,12 +101,39 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2
-    reports = [check_backend(m, b, args.timeout) for m in config.models for b in m.backends]
+    reports: list[Any] = [check_backend(m, b, args.timeout) for m in config.models for b in m.backends]
+    if args.router is not None:
+        reports.append(check_router(config, args.router, args.timeout, reports))
     if args.json:
         print(json.dumps([{**asdict(r), "ok": r.ok} for r in reports], indent=2))
     else:
         _print(reports)
     return 0 if all(r.ok for r in reports) else 1
+
+
+def check_router(config: Config, given: str, timeout: float, reports: list[BackendReport]) -> RouterReport:
+    """Read the running router's fidelity and add a ``fidelity`` check to each backend's report
+    (a new report for a backend the router has and the config does not, such as a discovered one)."""
+    key = config.router.admin_api_key
+    report = RouterReport(given)
+    try:
+        report.router = router_url(given, config.router)
+        heard, verdicts = read(report.router, key.get_secret_value() if key else None, timeout)
+    except RouterUnavailable as e:
+        where = " (the config's router.host and port; give another address as --router URL)"
+        report.checks.append(Check("router", False, str(e) + (where if isinstance(e, RouterUnreachable) and not given else "")))
+        return report
+    report.checks.append(Check("router", True, f"/debug/backends {heard}"))
+    by_name = {r.backend: r for r in reports}
+    for v in verdicts:
+        if v.backend not in by_name:
+            by_name[v.backend] = BackendReport(", ".join(v.models), v.backend, v.url)
+            reports.append(by_name[v.backend])
+        by_name[v.backend].add("fidelity", v.ok, v.detail)
+    for r in reports:
+        if not any(c.name == "fidelity" for c in r.checks):
+            r.add("fidelity", None, f"the router at {report.router} does not route to it")
+    return report
 
 
 def check_backend(model: Model, backend: Backend, timeout: float) -> BackendReport:
@@ -241,9 +288,15 @@ def _check_tokenize(report: BackendReport, model: Model, http: httpx.Client) -> 
                    "wrong tokenizer or chat template; consider tokenizer_mode: remote")
 
 
-def _print(reports: list[BackendReport]) -> None:
+def _print(reports: list[Any]) -> None:
     console = Console()
     for r in reports:
+        if isinstance(r, RouterReport):
+            c = r.checks[0]
+            console.print(f"[green]router {escape(r.router)}: ok, {escape(c.detail)}[/green]" if c.ok
+                          else f"[red]{escape(c.detail)}[/red]",
+                          soft_wrap=True, highlight=False)
+            continue
         table = Table(title=f"{r.model} / {r.backend} ({r.url})", show_lines=False)
         table.add_column("check")
         table.add_column("result")
@@ -252,5 +305,5 @@ def _print(reports: list[BackendReport]) -> None:
             mark = {True: "[green]ok[/green]", False: "[red]FAIL[/red]", None: "[yellow]info[/yellow]"}[c.ok]
             table.add_row(c.name, mark, c.detail)
         console.print(table)
-    bad = [r.backend for r in reports if not r.ok]
+    bad = [r.backend if isinstance(r, BackendReport) else "router" for r in reports if not r.ok]
     console.print("[red]problems on: " + ", ".join(bad) + "[/red]" if bad else "[green]all backends ok[/green]")
