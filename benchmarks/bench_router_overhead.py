@@ -89,14 +89,19 @@ _METRICS = (b"# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{
             b"# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{model_name=\"m\"} 0.0\n")
 
 
-async def null_engine(scope: dict[str, Any], receive: Any, send: Any) -> None:
-    """Answers every request at once: /health, /metrics, /v1/models, and a fixed chat reply."""
-    if scope["type"] != "http":
-        return
+async def _read_body(receive: Any) -> None:
+    """Reads (and drops) a request's whole body, as an ASGI app must before answering."""
     more = True
     while more:
         msg = await receive()
         more = msg.get("more_body", False)
+
+
+async def null_engine(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """Answers every request at once: /health, /metrics, /v1/models, and a fixed chat reply."""
+    if scope["type"] != "http":
+        return
+    await _read_body(receive)
     path = scope["path"]
     if path == "/metrics":
         body = _METRICS
@@ -115,10 +120,7 @@ async def null_collector(scope: dict[str, Any], receive: Any, send: Any) -> None
     protobuf body is a whole ``ExportTraceServiceResponse``)."""
     if scope["type"] != "http":
         return
-    more = True
-    while more:
-        msg = await receive()
-        more = msg.get("more_body", False)
+    await _read_body(receive)
     await send({"type": "http.response.start", "status": 200,
                 "headers": [(b"content-type", b"application/x-protobuf"), (b"content-length", b"0")]})
     await send({"type": "http.response.body", "body": b""})

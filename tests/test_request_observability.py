@@ -23,7 +23,7 @@ ACCESS_FIELDS = {"request_id", "method", "path", "status", "e2e_ms", "model", "b
                  "prompt_tokens", "completion_tokens", "cached_tokens", "predicted_cached_tokens"}
 
 
-def _config(sim: Any) -> dict[str, Any]:
+def sim_config(sim: Any) -> dict[str, Any]:
     backends = [{"name": f"engine-{i}", "url": sim.http(i), "kv_events": sim.kv(i), "kv_replay": sim.replay(i)}
                 for i in range(sim.instances)]
     return {"models": [{"name": MODEL, "tokenizer": str(QWEN3_DIR), "block_size": 16, "hash_seed": "0",
@@ -51,7 +51,7 @@ def _metric(text: str, name: str, **labels: str) -> float:
 
 def test_ids_ttft_tokens_and_the_access_log(sim_fleet: Any, tmp_path: Path) -> None:
     sim = sim_fleet(instances=2)
-    router = RouterProc("observed", _config(sim), tmp_path)
+    router = RouterProc("observed", sim_config(sim), tmp_path)
     try:
         prompt = "The quick brown fox jumps over the lazy dog. " * 20
         chat = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": 8, "stream": True,
@@ -111,7 +111,7 @@ def test_the_access_log_can_be_switched_off(sim_fleet: Any, tmp_path: Path, swit
     no lines, the metrics stay."""
     sim = sim_fleet()
     env = {"KVROUTER_ACCESS_LOG": "0"} if switch else None
-    router = RouterProc("switch", _config(sim), tmp_path, env=env)
+    router = RouterProc("switch", sim_config(sim), tmp_path, env=env)
     try:
         r = httpx.post(router.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}, timeout=30)
         assert r.status_code == 200
@@ -126,7 +126,7 @@ def test_json_logs_are_one_object_per_line(sim_fleet: Any, tmp_path: Path) -> No
     """``--log-format json`` with 2 workers: every line the router writes parses as JSON; the
     log's lines name level, logger and worker, the access log's are the request lines."""
     sim = sim_fleet()
-    cfg = _config(sim)
+    cfg = sim_config(sim)
     router = RouterProc("json", cfg, tmp_path, extra_args=["--log-format", "json", "--workers", "2"])
     try:
         r = httpx.post(router.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}, timeout=30)
@@ -151,7 +151,7 @@ def test_a_backend_whose_cache_the_router_mispredicts_is_flagged_once(sim_fleet:
     memory: the router predicts nothing cached while the engine reports its hits. The agreement
     rate falls, one warning names the backend, and ``/debug/backends`` shows it."""
     sim = sim_fleet("--fault-drop-events", "1.0")
-    cfg = _config(sim)
+    cfg = sim_config(sim)
     router = RouterProc("mispredicted", cfg, tmp_path, tuning={"kv_aware": {"speculative_ttl_s": 0}})
     try:
         body = {"model": MODEL, "prompt": "All work and no play makes Jack a dull boy. " * 30, "max_tokens": 1}

@@ -97,9 +97,9 @@ def router_url(fleet: dict[str, Any]) -> Iterator[str]:
 class InProcessRouter:
     """The router app served by uvicorn on a thread (same code path as ``kvrouter serve``)."""
 
-    def __init__(self, config: dict[str, Any], tuning: Tuning | None = None) -> None:
+    def __init__(self, config: dict[str, Any], tuning: Tuning | None = None, **app_options: Any) -> None:
         self.port = free_port()
-        app = create_app(parse_config(config), tuning=tuning)
+        app = create_app(parse_config(config), tuning=tuning, **app_options)
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", loop="asyncio"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +22,6 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 import yaml
 from aiohttp import web
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
@@ -31,10 +29,10 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
-from kvconfig import parse_config
 from router.http import tracing
-from router.http.app import create_app
-from support import KVROUTER, QWEN3_DIR, REPO, LoopbackEngine, RouterProc, free_port, wait_http
+from support import KVROUTER, QWEN3_DIR, REPO, LoopbackEngine, RouterProc, free_port
+from test_request_observability import sim_config
+from test_router_e2e import InProcessRouter
 
 MODEL = "qwen3"
 CLIENT_TRACE = "0af7651916cd43dd8448eb211c80319c"
@@ -43,7 +41,7 @@ CLIENT_PARENT = f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"
 STAGES = ["tokenize", "route", "upstream"]
 
 
-class TracedRouter:
+class TracedRouter(InProcessRouter):
     """The router's app with a tracer whose spans an in-memory exporter keeps, served by
     uvicorn on a thread (``kvrouter serve``'s code path, less the process)."""
 
@@ -51,23 +49,7 @@ class TracedRouter:
         self.spans = InMemorySpanExporter()
         provider = TracerProvider()
         provider.add_span_processor(SimpleSpanProcessor(self.spans))
-        self.port = free_port()
-        app = create_app(parse_config(config), tracer=provider.get_tracer("test"))
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", loop="asyncio"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def __enter__(self) -> TracedRouter:
-        self.thread.start()
-        wait_http(self.url + "/health", timeout=120)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(15)
+        super().__init__(config, tracer=provider.get_tracer("test"))
 
     def trace_of(self, request_id: str, stages: int = 3, timeout: float = 10.0) -> tuple[ReadableSpan, list[ReadableSpan]]:
         """The request span of ``request_id`` and its children, once all have ended (the
@@ -85,14 +67,6 @@ class TracedRouter:
                     return root, children
             assert time.monotonic() < deadline, f"no trace of {request_id}: {[s.name for s in spans]}"
             time.sleep(0.02)
-
-
-def sim_config(sim: Any) -> dict[str, Any]:
-    backends = [{"name": f"engine-{i}", "url": sim.http(i), "kv_events": sim.kv(i), "kv_replay": sim.replay(i)}
-                for i in range(sim.instances)]
-    return {"models": [{"name": MODEL, "tokenizer": str(QWEN3_DIR), "block_size": 16, "hash_seed": "0",
-                        "backends": backends}],
-            "router": {"policy": "kv_aware", "health_interval_s": 0.5}}
 
 
 def hex_ids(span: ReadableSpan) -> tuple[str, str]:
