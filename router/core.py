@@ -30,7 +30,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -411,11 +411,16 @@ class Router:
     def pick_any(self, body: dict[str, Any]) -> tuple[ModelRuntime, list[str]]:
         """Backends for pass-through endpoints (embeddings, tokenize): least loaded first."""
         rt, _ = self.models.resolve(body)
-        names = [n for n in rt.backends if self.pool.get(n).routable]
-        if not names:
-            raise NoHealthyBackend(f"no healthy backend for model {rt.name!r}")
-        names.sort(key=lambda n: self.loads.get(n).effective_in_flight())
-        return rt, names
+        return rt, self.least_loaded(rt.backends, f"model {rt.name!r}")
+
+    def least_loaded(self, names: Iterable[str], what: str) -> list[str]:
+        """The routable backends among ``names``, least loaded first (``what``: for the error)."""
+        backends = self.pool.backends
+        routable = [n for n in names if n in backends and backends[n].routable]
+        if not routable:
+            raise NoHealthyBackend(f"no healthy backend for {what}")
+        routable.sort(key=lambda n: self.loads.get(n).effective_in_flight())
+        return routable
 
 
 def _fixed_part(config: Config) -> dict[str, Any]:

@@ -90,6 +90,16 @@ class RouterMetrics:
             ["model", "policy", "reason"],
             registry=registry,
         )
+        self.passthrough_decisions = Counter(
+            "kvrouter_passthrough_decisions",
+            "Tries of requests routed without a prompt to hash (/v1/responses, /v1/messages, /v1/embeddings, /tokenize, "
+            "/detokenize), by model, endpoint and reason: least_loaded; response_engine (a /v1/responses follow-up, "
+            "retrieve or cancel sent to the engine that made the response it names); response_unknown or "
+            "response_engine_down (that engine is not remembered by this process, or not routable: least loaded first, "
+            "then each engine in turn while they answer 404); fallback (a later try, after a failure or such a 404)",
+            ["model", "endpoint", "reason"],
+            registry=registry,
+        )
         self.retries = Counter(
             "kvrouter_upstream_retries", "Requests re-sent to another backend before the first byte, by the backend that failed and why",
             ["backend", "reason"],
@@ -396,6 +406,7 @@ exposition = _PROCESS.exposition
 REQUESTS = _PROCESS.requests
 REJECTED = _PROCESS.rejected
 DECISIONS = _PROCESS.decisions
+PASSTHROUGH_DECISIONS = _PROCESS.passthrough_decisions
 RETRIES = _PROCESS.retries
 UPSTREAM_FAILURES = _PROCESS.upstream_failures
 CLIENT_DISCONNECTS = _PROCESS.client_disconnects

@@ -43,8 +43,8 @@ from aiohttp import web
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.http import proxy
-from router.http.proxy import EventCut
+from router.http import sse
+from router.http.sse import EventCut
 from support import QWEN3_DIR, LoopbackEngine, RouterProc, fuzz_cases, openai_error, sse_events
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -395,7 +395,7 @@ def test_event_cut_passes_every_byte_on_and_cuts_only_between_events(stream: byt
 
 
 def test_an_event_over_the_hold_limit_is_passed_on_and_the_error_event_ends_it_first(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(proxy, "MAX_HELD_EVENT_BYTES", 16)
+    monkeypatch.setattr(sse, "MAX_HELD_EVENT_BYTES", 16)
     cut = EventCut()
     assert cut.feed(b"data: 0123456") == b""
     assert cut.feed(b"789abcdef") == b"data: 0123456789abcdef" and cut.mid_event

@@ -10,5 +10,7 @@ Modules, one job each:
 * :mod:`loadtest.sim.metrics`: the ``vllm:*`` Prometheus metrics.
 * :mod:`loadtest.sim.faults`: fault injection (kill, pause, dropped events, latency, errors).
 * :mod:`loadtest.sim.http`: the FastAPI app of ``vllm serve``.
+* :mod:`loadtest.sim.apis`: its ``/v1/responses`` (stored responses) and ``/v1/messages``.
+* :mod:`loadtest.sim.fields`: request fields and errors as vLLM checks and answers them.
 * :mod:`loadtest.sim.cli`: ``kvrouter sim``, K engines in one asyncio process.
 """

@@ -36,7 +36,12 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
 from indexer.hashing import to_int64
+from loadtest.sim.apis import Generating, Sampling, add_api_routes
 from loadtest.sim.engine import FINISHED, STATE_LOCK, EngineDead, SimRequest
+from loadtest.sim.fields import ApiError, error_body, error_response
+from loadtest.sim.fields import bool_field as _bool_field
+from loadtest.sim.fields import int_field as _int_field
+from loadtest.sim.fields import read_body as _body
 from loadtest.sim.faults import FaultUpdate
 from loadtest.sim.state import (
     KNOWN_PROMPTS,
@@ -54,62 +59,10 @@ if TYPE_CHECKING:
     from loadtest.sim.fleet import Instance
 
 
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-
-
-_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
 _json = msgspec.json.Encoder()
 _state_decoder = msgspec.json.Decoder(StateAsk)
 """Typed: the side channel's token-id lists are checked in C, not one Python isinstance per id
 (that check cost more than the forward run on long prompts)."""
-
-
-def _error(status: int, message: str, param: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": _ERROR_TYPES.get(status, "Error"), "param": param, "code": status}}
-
-
-def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(_error(status, message, param), status_code=status)
-
-
-def error_body(status: int, message: str, param: str | None = None) -> bytes:
-    return _json.encode(_error(status, message, param))
-
-
-async def _body(request: Request) -> dict[str, Any]:
-    raw = await request.body()
-    try:
-        body = msgspec.json.decode(raw)
-    except msgspec.DecodeError as e:
-        raise ApiError(400, f"JSON decode error: {e}") from e
-    if not isinstance(body, dict):
-        raise ApiError(400, "request body must be a JSON object")
-    return body
-
-
-def _int_field(body: dict[str, Any], name: str, default: int | None, minimum: int) -> int | None:
-    value = body.get(name, default)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ApiError(400, f"{name} must be an integer", name)
-    if value < minimum:
-        raise ApiError(400, f"{name} must be at least {minimum}, got {value}", name)
-    return value
-
-
-def _bool_field(body: dict[str, Any], name: str, default: bool) -> bool:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise ApiError(400, f"{name} must be a boolean", name)
-    return value
 
 
 def _usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
@@ -394,6 +347,39 @@ def create_app(inst: Instance) -> FastAPI:
 
     # -- generation ---------------------------------------------------------------------
 
+    def sampling(body: dict[str, Any], max_tokens: int | None) -> Sampling:
+        """The body's sampling fields every generating endpoint reads, checked as vLLM does."""
+        min_tokens = _int_field(body, "min_tokens", 0, 0) or 0
+        if max_tokens is not None and min_tokens > max_tokens:
+            raise ApiError(400, f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}.", "min_tokens")
+        ignore_eos = _bool_field(body, "ignore_eos", False)
+        cache_salt = body.get("cache_salt")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ApiError(400, "Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt")
+        seed = body.get("seed")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ApiError(400, "seed must be an integer", "seed")
+        if seed is None and body.get("temperature") != 0:
+            seed = inst.sampling_rng.getrandbits(64)
+        return Sampling(max_tokens, min_tokens, ignore_eos, cache_salt, seed)
+
+    async def admit(prompts: list[list[int]], s: Sampling) -> tuple[list[SimRequest], asyncio.Queue[tuple[int, Any]]]:
+        """One request per prompt, added to the engine; their tokens come through the queue."""
+        if inst.faults.extra_latency_s > 0:
+            await asyncio.sleep(inst.faults.extra_latency_s)
+        engine = inst.engine
+        sink: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+        reqs: list[SimRequest] = []
+        for i, ids in enumerate(prompts):
+            limit = check_length(len(ids), s.max_tokens)
+            planned = inst.generator.plan(ids, limit, min(s.min_tokens, limit), s.ignore_eos, s.seed)
+            reqs.append(engine.make_request(ids, planned, sink, index=i, cache_salt=s.cache_salt))
+        for r in reqs:
+            engine.add(r)
+        return reqs, sink
+
+    add_api_routes(app, inst, Generating(_body, check_model, sampling, lambda body: prompts_of(body, True)[0], admit))
+
     async def generate(request: Request, chat: bool) -> Response:
         body = await _body(request)
         check_model(body)
@@ -408,18 +394,7 @@ def create_app(inst: Instance) -> FastAPI:
         max_tokens = _int_field(body, "max_completion_tokens", None, 1) if chat else None
         if max_tokens is None:
             max_tokens = _int_field(body, "max_tokens", None if chat else 16, 1)
-        min_tokens = _int_field(body, "min_tokens", 0, 0) or 0
-        if max_tokens is not None and min_tokens > max_tokens:
-            raise ApiError(400, f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}.", "min_tokens")
-        ignore_eos = _bool_field(body, "ignore_eos", False)
-        cache_salt = body.get("cache_salt")
-        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-            raise ApiError(400, "Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt")
-        seed = body.get("seed")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise ApiError(400, "seed must be an integer", "seed")
-        if seed is None and body.get("temperature") != 0:
-            seed = inst.sampling_rng.getrandbits(64)
+        s = sampling(body, max_tokens)
         if chat or isinstance(body.get("prompt"), str):
             # Off the event loop: it runs every engine of this process (steps, streams,
             # events), and rendering plus tokenizing a long text prompt holds it for tens of
@@ -427,17 +402,8 @@ def create_app(inst: Instance) -> FastAPI:
             prompts = await asyncio.to_thread(prompts_of, body, chat)
         else:
             prompts = prompts_of(body, chat)
-        if inst.faults.extra_latency_s > 0:
-            await asyncio.sleep(inst.faults.extra_latency_s)
+        reqs, sink = await admit(prompts, s)
         engine = inst.engine
-        sink: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
-        reqs: list[SimRequest] = []
-        for i, ids in enumerate(prompts):
-            limit = check_length(len(ids), max_tokens)
-            planned = inst.generator.plan(ids, limit, min(min_tokens, limit), ignore_eos, seed)
-            reqs.append(engine.make_request(ids, planned, sink, index=i, cache_salt=cache_salt))
-        for r in reqs:
-            engine.add(r)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         if stream:

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import re
 import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
@@ -29,7 +30,10 @@ from kvconfig import Config
 from router.core import Router
 from router.http import observe
 from router.http.dispatch import Endpoints
-from router.http.errors import ShuttingDown, UnknownModel
+from router.attempt import Attempts
+from router.http.errors import BadRequest, ShuttingDown, UnknownModel
+from router.http.responses import LEAST_LOADED, ResponseIds, ResponseMemory, Route
+from router.http.sse import ANTHROPIC, OPENAI, RESPONSES, Dialect
 from router.parse import json_response, parse_body, read_body
 from router.http.proxy import ProxyResponse, Upstream, forwarded_headers
 from router.tuning import Tuning
@@ -38,6 +42,9 @@ if TYPE_CHECKING:
     from opentelemetry.trace import Tracer
 
 log = logging.getLogger(__name__)
+
+_RESPONSE_ID = re.compile(r"[A-Za-z0-9_.:~-]{1,256}")
+"""What the router passes on as a response id in a path (vLLM's are ``resp_`` and hex digits)."""
 
 
 def create_app(config: Config, index: Index | None = None, tuning: Tuning | None = None,
@@ -69,7 +76,10 @@ def create_app(config: Config, index: Index | None = None, tuning: Tuning | None
     endpoints = Endpoints(app, observer)
     for (method, path), name in ROUTES.items():
         endpoints.add(method, path, getattr(handlers, name))
-    endpoints.add("GET", "/v1/models/{model_id:path}", handlers.model)  # matched by the fallback (a parameter)
+    # Matched by the fallback (a parameter in the path):
+    endpoints.add("GET", "/v1/models/{model_id:path}", handlers.model)
+    endpoints.add("GET", "/v1/responses/{response_id}", handlers.retrieve_response)
+    endpoints.add("POST", "/v1/responses/{response_id}/cancel", handlers.cancel_response)
     return endpoints
 
 
@@ -77,6 +87,8 @@ ROUTES = {
     ("POST", "/v1/chat/completions"): "chat_completions",
     ("POST", "/v1/completions"): "completions",
     ("POST", "/v1/embeddings"): "embeddings",
+    ("POST", "/v1/responses"): "responses",
+    ("POST", "/v1/messages"): "messages",
     ("POST", "/tokenize"): "tokenize",
     ("POST", "/detokenize"): "detokenize",
     ("GET", "/v1/models"): "models",
@@ -98,6 +110,8 @@ class Handlers:
         self.router = router
         self.access = access
         self.settings = router.settings
+        self.stored = ResponseMemory()
+        """Where this process's ``/v1/responses`` answers were made (:mod:`router.http.responses`)."""
 
     async def read_json(self, request: Request) -> tuple[bytes, dict[str, Any], float]:
         """The body, parsed, and when it was fully received (the overhead clock starts there:
@@ -137,14 +151,98 @@ class Handlers:
     async def completions(self, request: Request) -> Response:
         return await self.openai(request, "completion", "/v1/completions")
 
-    async def passthrough(self, request: Request, path: str) -> Response:
-        """Routed on load alone, least loaded first (no prompt to hash)."""
+    async def passthrough(self, request: Request, path: str, streams: Dialect | None = None) -> Response:
+        """Routed on load alone, least loaded first (no prompt to hash); ``streams``: the
+        endpoint streams (``stream: true``) in that dialect."""
         self.access.client(request.headers)
         forwarded, client_auth = self.upstream_headers(request)
         raw, body, started = await self.read_json(request)
         rt, order = self.router.pick_any(body)
-        return ProxyResponse(self.router.path.upstreams, Upstream(
-            path, raw, forwarded, order, rt.name, "passthrough", started, client_authorization=client_auth))
+        stream = streams is not None and body.get("stream") is True
+        return self.relay(Upstream(path, raw, forwarded, order, rt.name, "passthrough", started, stream=stream,
+                                   client_authorization=client_auth, sse=streams or OPENAI),
+                          Route(order, LEAST_LOADED), path)
+
+    def relay(self, up: Upstream, route: Route, endpoint: str) -> ProxyResponse:
+        """``up`` sent in ``route``'s order, each try counted by its reason (the first try's is
+        the route's, a later one's ``fallback``) in ``kvrouter_passthrough_decisions`` and the
+        access log. A search (a response not known to be on the first backend) may try every one."""
+        upstreams = self.router.path.upstreams
+        retries = max(upstreams.retries, len(route.order) - 1) if route.search else upstreams.retries
+        up.order, up.not_found_moves = route.order, route.search
+        if self.settings.expose_decision_headers:
+            up.reason = route.reason
+        first, model = route.order[0], up.model
+
+        def count(backend: str) -> None:
+            reason = route.reason if backend == first else "fallback"
+            if (note := observe.current()) is not None:
+                note.reason = reason
+            metrics.child(metrics.PASSTHROUGH_DECISIONS, model, endpoint, reason).inc()
+
+        attempts = Attempts(upstreams.pool, upstreams.loads, retries, route.order, model, up.policy, up.started,
+                            commit=count)
+        return ProxyResponse(upstreams, up, attempts)
+
+    async def responses(self, request: Request) -> Response:
+        """``POST /v1/responses``: a follow-up (``previous_response_id``) to the engine that made
+        the response it names, anything else least loaded (:mod:`router.http.responses`)."""
+        self.access.client(request.headers)
+        forwarded, client_auth = self.upstream_headers(request)
+        raw, body, started = await self.read_json(request)
+        rt, least = self.router.pick_any(body)
+        previous = body.get("previous_response_id")
+        if previous is not None and not isinstance(previous, str):
+            raise BadRequest("'previous_response_id' must be a string", code="invalid_previous_response_id")
+        route = self.stored.route(previous, least)
+        watch = ResponseIds(self.stored, rt.name, previous if route.search else None, body.get("store") is not False)
+        return self.relay(Upstream("/v1/responses", raw, forwarded, route.order, rt.name, "passthrough", started,
+                                   stream=body.get("stream") is True, client_authorization=client_auth, sse=RESPONSES,
+                                   watch=watch), route, "/v1/responses")
+
+    async def retrieve_response(self, request: Request) -> Response:
+        return await self.stored_response(request, "GET", "")
+
+    async def cancel_response(self, request: Request) -> Response:
+        return await self.stored_response(request, "POST", "/cancel")
+
+    async def stored_response(self, request: Request, method: str, action: str) -> Response:
+        """``GET /v1/responses/{id}`` (its query, ``stream`` and ``starting_after``, passed on)
+        and ``POST /v1/responses/{id}/cancel``: to the engine that made the response, which
+        alone holds it; one this process does not remember is searched for among every backend."""
+        self.access.client(request.headers)
+        if self.router.draining:
+            raise ShuttingDown("the router is shutting down; send the request to another replica")
+        response_id = request.scope["path"].removeprefix("/v1/responses/").removesuffix(action)
+        if not _RESPONSE_ID.fullmatch(response_id) or response_id in (".", ".."):
+            raise BadRequest(f"{response_id[:100]!r} is not a response id", code="invalid_response_id")
+        forwarded, client_auth = self.upstream_headers(request)
+        raw = await read_body(request, self.settings.max_body_bytes) if method == "POST" else b""
+        started = time.perf_counter()
+        known = self.stored.where(response_id)
+        router = self.router
+        if known is not None and known[0] in router.models.runtimes:
+            model, names = known[0], router.models.runtimes[known[0]].backends
+        else:
+            model, names = "*", list(router.pool.backends)
+        route = self.stored.route(response_id, router.least_loaded(names, "a stored response"))
+        query = request.scope["query_string"].decode("latin-1")
+        stream = request.query_params.get("stream", "").lower() in ("1", "true", "yes", "on")
+        path = f"/v1/responses/{response_id}{action}" + (f"?{query}" if query else "")
+        return self.relay(Upstream(path, raw, forwarded, route.order, model, "passthrough", started, stream=stream,
+                                   client_authorization=client_auth, method=method, sse=RESPONSES,
+                                   watch=ResponseIds(self.stored, model, response_id if route.search else None, False)),
+                          route, f"/v1/responses/{{id}}{action}")
+
+    async def messages(self, request: Request) -> Response:
+        """``POST /v1/messages`` (Anthropic's API), least loaded, as embeddings are. vLLM renders
+        its prompt by converting it to a chat request first
+        (``AnthropicServingMessages._convert_anthropic_to_openai_request``: system, text, image,
+        thinking, tool_use and tool_result blocks, and the tools the template renders). Hashing
+        it exactly means reproducing that conversion for each vLLM version and checking it
+        against real engines, as chat rendering is; a cheap approximation would predict cache
+        hits the engines do not have."""
+        return await self.passthrough(request, "/v1/messages", ANTHROPIC)
 
     async def embeddings(self, request: Request) -> Response:
         return await self.passthrough(request, "/v1/embeddings")

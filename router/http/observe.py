@@ -10,11 +10,12 @@ byte to the client:
   ASCII characters), else a new one. The engine gets it (the proxy forwards the header) and
   the client gets it back on every answer, the router's own errors included.
 - **TTFT.** The first body chunk of a stream that carries generated output (``text``,
-  ``content``, ``reasoning_content`` or ``tool_calls``; vLLM's first chat chunk carries only
-  the role). Streams only: a non-streamed answer's first byte is its last.
+  ``content``, ``reasoning_content``, ``tool_calls`` or a Responses ``delta``; vLLM's first
+  chat chunk carries only the role). Streams only: a non-streamed answer's first byte is its last.
 - **Tokens.** ``usage`` as the engine reported it: a non-streamed body's, a stream's last
-  usage event (sent when the client asked for ``stream_options.include_usage``). Answers
-  without usage count no tokens.
+  usage event (sent when the client asked for ``stream_options.include_usage``; always by
+  the Responses and Anthropic APIs, which name them ``input_tokens`` and ``output_tokens``).
+  Answers without usage count no tokens.
 - **The access log.** One JSON line per request on the ``kvrouter.access`` logger: what
   :class:`AccessLine` lists. On by default; ``kvrouter serve --no-access-log`` (or
   ``KVROUTER_ACCESS_LOG=0``) turns it off, metrics stay.
@@ -52,7 +53,8 @@ REQUEST_ID = b"x-request-id"
 MAX_ID_LEN = 128
 TAIL_BYTES = 4096
 """Bytes of a stream's end kept to find its usage event (vLLM's is a few hundred)."""
-_OUTPUT_MARKS = (b'"text":"', b'"content":"', b'"reasoning_content":"', b'"tool_calls":[')
+_OUTPUT_MARKS = (b'"text":"', b'"content":"', b'"reasoning_content":"', b'"tool_calls":[', b'"delta":"')
+"""Generated output in a chunk: completions, chat, Anthropic's ``text_delta``, the Responses API's ``*.delta`` events."""
 _USAGE = b'"usage":{'
 
 
@@ -258,6 +260,10 @@ def usage_of(data: bytes) -> tuple[int | None, int | None, int | None] | None:
                     return None
                 if not isinstance(u, dict):
                     return None
+                if "prompt_tokens" not in u and "input_tokens" in u:  # the Responses and Anthropic APIs
+                    details = u.get("input_tokens_details")
+                    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+                    return _int(u.get("input_tokens")), _int(u.get("output_tokens")), _int(cached)
                 details = u.get("prompt_tokens_details")
                 cached = details.get("cached_tokens") if isinstance(details, dict) else None
                 return _int(u.get("prompt_tokens")), _int(u.get("completion_tokens")), _int(cached)

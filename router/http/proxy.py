@@ -21,14 +21,16 @@ aborts, the upstream connection); the proxy sends, relays bytes and frames SSE:
   the same way, with 503 or an error event coded ``shutting_down``.
 
 A failure after the response started cannot change its status: an SSE stream gets a
-final ``data: {"error": ...}`` event (what vLLM itself sends) and is then closed. For
-that event to be an event of its own, an SSE stream is relayed whole events at a time
-(:class:`EventCut`): bytes that do not yet complete an event wait for the rest (an
-engine writes whole events, so they wait only when a read ends inside one), and when
-the engine fails, what is left of its half event is dropped instead of being glued to
-the error. A stream that ends without vLLM's closing ``data: [DONE]`` (vLLM sends it
-after every stream, errors included) was cut short: it gets the error event too, never
-a silent 200.
+final error event in its API's shape (``data: {"error": ...}``, what vLLM itself sends, or
+Anthropic's ``event: error``) and is then closed. The stream is relayed whole events at a
+time so that this event is one of its own, and one that ends without its API's last event
+(``[DONE]``, or ``response.completed`` for the Responses API) gets it too, never a silent
+200 (:mod:`router.http.sse`).
+
+A request whose backend may not hold what it names (a ``/v1/responses`` follow-up whose
+engine the router does not know: :mod:`router.http.responses`) moves on to the next backend
+on a 404 as well (``Upstream.not_found_moves``), and its answer is read as it passes
+(``Upstream.watch``) for the id of the response it creates.
 
 Headers cross in both directions through allow-lists, so hop-by-hop headers
 (``Connection``, ``Keep-Alive``, ``Transfer-Encoding``, ``TE``, ``Upgrade``,
@@ -46,7 +48,7 @@ import asyncio
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from starlette.responses import Response
@@ -57,7 +59,11 @@ from router.attempt import BACKEND_DOWN, SHUTTING_DOWN, Attempt, Attempts
 from router.fleet.backends import BackendPool
 from router.http import observe
 from router.http.errors import RouterError, ShuttingDown, UpstreamError, UpstreamTimeout, error_body, error_response
+from router.http.sse import OPENAI, Dialect, EventCut
 from router.fleet.load import LoadTracker
+
+if TYPE_CHECKING:
+    from router.http.responses import ResponseIds
 
 log = logging.getLogger(__name__)
 
@@ -72,10 +78,6 @@ _CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
 _NO_BYTE_ERRORS = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
 """The connection failed before any response byte arrived: safe to try elsewhere."""
 _TIMEOUTS = (asyncio.TimeoutError, aiohttp.ServerTimeoutError)
-MAX_HELD_EVENT_BYTES = 16 * 1024 * 1024
-"""Most bytes of one unfinished SSE event held back; a longer event is passed on as it
-comes (vLLM's largest, a first chunk with prompt logprobs, stays well below)."""
-_DONE_LINES = (b"data: [DONE]", b"data:[DONE]")
 
 
 def forwarded_headers(headers: Mapping[str, str]) -> dict[str, str]:
@@ -108,87 +110,6 @@ def relayed_headers(raw: Any) -> list[tuple[bytes, bytes]]:
     return out
 
 
-def _event_end(data: bytes) -> int:
-    """Where the last SSE event completed in ``data`` ends (0: none): after an empty line,
-    i.e. two line ends in a row, each a CRLF, an LF or a CR. A CR last may be the first
-    half of a CRLF; cutting there is still a boundary (a CR alone ends a line)."""
-    end = 0
-    for sep in (b"\n\n", b"\r\r", b"\n\r", b"\r\r\n", b"\n\r\n"):
-        i = data.rfind(sep)
-        if i >= 0 and i + len(sep) > end:
-            end = i + len(sep)
-    return end
-
-
-class EventCut:
-    """An SSE byte stream cut at event boundaries for relaying (see the module docstring).
-
-    :meth:`feed` returns the bytes that can go to the client: everything up to the last
-    event boundary seen, so the client's stream always ends on one unless an event
-    outgrew :data:`MAX_HELD_EVENT_BYTES` (``mid_event``). Bytes are never changed,
-    reordered or duplicated: concatenated, what :meth:`feed` returned plus ``held`` is
-    exactly what was fed. ``done`` tells whether the last complete event was ``[DONE]``.
-    """
-
-    __slots__ = ("held", "held_bytes", "recent", "mid_event", "done")
-
-    def __init__(self) -> None:
-        self.held: list[bytes] = []
-        self.held_bytes = 0
-        self.recent = b""
-        """The last two bytes fed: a boundary can start in the previous chunk."""
-        self.mid_event = False
-        self.done = False
-
-    def feed(self, chunk: bytes) -> bytes:
-        if not chunk:
-            return chunk
-        if not self.held and chunk.endswith(b"\n\n"):  # whole events, the usual read
-            self.recent = chunk[-2:]
-            self.mid_event = False
-            self._saw(chunk)
-            return chunk
-        lead = self.recent
-        self.recent = (lead + chunk[-2:])[-2:]
-        end = _event_end(lead + chunk) - len(lead)
-        if end <= 0:
-            self.held.append(chunk)
-            self.held_bytes += len(chunk)
-            if self.held_bytes <= MAX_HELD_EVENT_BYTES:
-                return b""
-            out = b"".join(self.held)
-            self.held, self.held_bytes, self.mid_event = [], 0, True
-            return out
-        out = b"".join((*self.held, chunk[:end])) if self.held else chunk[:end]
-        rest = chunk[end:]
-        self.held, self.held_bytes, self.mid_event = ([rest] if rest else []), len(rest), False
-        self._saw(out)
-        return out
-
-    def _saw(self, events: bytes) -> None:
-        """Note whether the last event of ``events`` (which end at a boundary) is ``[DONE]``.
-
-        Reads the last 32 bytes, not the chunk: a line without a line end among them is
-        longer than ``data: [DONE]``, unless blank lines pad the end (then it looks further)."""
-        tail = events[-32:]
-        last = tail.rstrip(b"\r\n")
-        if len(last) < 14 and len(tail) < len(events):
-            last = events.rstrip(b"\r\n")
-        if last:
-            start = max(last.rfind(b"\n"), last.rfind(b"\r")) + 1
-            self.done = last[start:] in _DONE_LINES
-
-    @property
-    def complete(self) -> bool:
-        """The stream may end here: its last event is ``[DONE]`` and nothing follows it."""
-        return self.done and not self.held and not self.mid_event
-
-    def error_event(self, message: str, code: str = "upstream_error") -> bytes:
-        """The router's closing error event; after an oversized half event, a blank line first ends it."""
-        event = b"data: " + error_body(message, "server_error", code) + b"\n\n"
-        return b"\n\n" + event if self.mid_event else event
-
-
 @dataclass(frozen=True, slots=True)
 class Upstreams:
     """Where proxied requests go: the backends' pools, their load accounting, the retry budget."""
@@ -218,6 +139,12 @@ class Upstream:
     client_authorization: str | None = None
     """The client's ``Authorization``, for backends without a key of their own."""
     method: str = "POST"
+    sse: Dialect = OPENAI
+    """How the stream's API ends it and writes an error into it."""
+    not_found_moves: bool = False
+    """A 404 moves it to the next backend too (that backend may not hold what it names)."""
+    watch: ResponseIds | None = None
+    """Reads the answer as it passes, for the id of the response it creates."""
 
 
 class ProxyResponse(Response):
@@ -337,7 +264,7 @@ class ProxyResponse(Response):
             self._attempts.error = UpstreamError(f"backend {name} went down before answering", backend=name)
             return None
         attempt.upstream = upstream
-        if upstream.status in (502, 503) and self._attempts.more():
+        if (upstream.status in (502, 503) or upstream.status == 404 and req.not_found_moves) and self._attempts.more():
             attempt.finished = True
             attempt.answered(upstream.status)
             attempt.retried(f"status_{upstream.status}")
@@ -383,7 +310,7 @@ class ProxyResponse(Response):
         metrics.DRAIN_CUT.inc()
         message = "the router is shutting down: the request did not finish within its drain deadline"
         if self._response_started:
-            event = (self._events or EventCut()).error_event(message, "shutting_down")
+            event = (self._events or EventCut(self._req.sse)).error_event(message, "shutting_down")
             await send({"type": "http.response.body", "body": event, "more_body": False})
         else:
             await error_response(ShuttingDown(message))({"type": "http"}, _no_receive, send)
@@ -392,8 +319,8 @@ class ProxyResponse(Response):
         attempt.went_down()
         message = f"backend {attempt.name} went down while serving the request"
         if self._response_started:
-            event = error_body(message, "server_error", "upstream_error")
-            await send({"type": "http.response.body", "body": b"data: " + event + b"\n\n", "more_body": False})
+            event = (self._events or EventCut(self._req.sse)).error_event(message)
+            await send({"type": "http.response.body", "body": event, "more_body": False})
         else:
             await error_response(UpstreamError(message))({"type": "http"}, _no_receive, send)
 
@@ -425,6 +352,8 @@ class ProxyResponse(Response):
         attempt.first_byte()
         status = upstream.status
         attempt.answered(status)
+        if self._req.watch is not None:
+            self._req.watch.whole(name, status, body)
         if status >= 500:
             # An engine's 5xx body can name internal hosts, paths or credentials (a Redis URL
             # with its password came through once): the client gets the status and a generic
@@ -451,7 +380,8 @@ class ProxyResponse(Response):
         self, send: Send, attempt: Attempt, upstream: aiohttp.ClientResponse, headers: list[tuple[bytes, bytes]]
     ) -> int:
         chunks = upstream.content.iter_any().__aiter__()
-        cut = self._events = EventCut() if upstream.content_type == "text/event-stream" else None
+        cut = self._events = EventCut(self._req.sse) if upstream.content_type == "text/event-stream" else None
+        watch = self._req.watch if cut is not None else None
         try:
             # The status line and headers go out with the first chunk, not before it: one
             # write to the client instead of two, which on a busy host is a wake-up saved on
@@ -463,12 +393,18 @@ class ProxyResponse(Response):
             attempt.first_byte()
             await send({"type": "http.response.start", "status": 200, "headers": headers})
             self._response_started = True
-            await send({"type": "http.response.body", "body": first if cut is None else cut.feed(first), "more_body": True})
+            if cut is not None:
+                first = cut.feed(first)
+                if watch is not None:
+                    watch.events(attempt.name, first)
+            await send({"type": "http.response.body", "body": first, "more_body": True})
             async for chunk in chunks:
                 if cut is not None:
                     chunk = cut.feed(chunk)
                     if not chunk:
                         continue
+                    if watch is not None and watch.looking:
+                        watch.events(attempt.name, chunk)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except (aiohttp.ClientError, *_TIMEOUTS) as e:
             kind = "timeout" if isinstance(e, _TIMEOUTS) else "reset"
@@ -476,7 +412,7 @@ class ProxyResponse(Response):
             message = f"backend {attempt.name} failed mid-stream"
             if not self._response_started:
                 return await self._answer(send, UpstreamTimeout(message) if kind == "timeout" else UpstreamError(message))
-            event = (cut or EventCut()).error_event(message)
+            event = (cut or EventCut(self._req.sse)).error_event(message)
             await send({"type": "http.response.body", "body": event, "more_body": False})
             return 502
         if cut is not None and not cut.complete:
