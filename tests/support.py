@@ -320,3 +320,11 @@ class LoopbackEngine:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)
 
+
+def metric_sum(text: str, name: str, **labels: str) -> float:
+    """The sum of a Prometheus exposition's samples of ``name`` whose labels include ``labels``."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from support import QWEN3_DIR, RouterProc
+from support import QWEN3_DIR, RouterProc, metric_sum
 
 MODEL = "qwen3"
 ACCESS_FIELDS = {"request_id", "method", "path", "status", "e2e_ms", "model", "backend", "reason", "ttft_ms",
@@ -39,14 +39,6 @@ def _access_lines(router: RouterProc, n: int, timeout: float = 10.0) -> list[dic
         if len(lines) >= n or time.monotonic() > deadline:
             return lines
         time.sleep(0.05)
-
-
-def _metric(text: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def test_ids_ttft_tokens_and_the_access_log(sim_fleet: Any, tmp_path: Path) -> None:
@@ -92,15 +84,15 @@ def test_ids_ttft_tokens_and_the_access_log(sim_fleet: Any, tmp_path: Path) -> N
         assert error["status"] == 404 and "backend" not in error and "model" not in error
 
         backend = first["backend"]
-        assert _metric(metrics, "kvrouter_request_ttft_seconds_count", model=MODEL, backend=backend) == 2
-        assert _metric(metrics, "kvrouter_request_duration_seconds_count", model=MODEL) == 3
-        assert _metric(metrics, "kvrouter_tokens_total", model=MODEL, kind="prompt") == (
+        assert metric_sum(metrics, "kvrouter_request_ttft_seconds_count", model=MODEL, backend=backend) == 2
+        assert metric_sum(metrics, "kvrouter_request_duration_seconds_count", model=MODEL) == 3
+        assert metric_sum(metrics, "kvrouter_tokens_total", model=MODEL, kind="prompt") == (
             usages[0]["prompt_tokens"] + usages[1]["prompt_tokens"] + plain["prompt_tokens"])
-        assert _metric(metrics, "kvrouter_tokens_total", model=MODEL, kind="cached") == second["cached_tokens"]
+        assert metric_sum(metrics, "kvrouter_tokens_total", model=MODEL, kind="cached") == second["cached_tokens"]
         # Fidelity: every prediction so far was exact (the index is fresh between these requests).
-        assert _metric(metrics, "kvrouter_cache_predictions_total", outcome="exact") == 3
-        assert _metric(metrics, "kvrouter_cache_predictions_total", outcome="over") == 0
-        assert _metric(metrics, "kvrouter_cache_prediction_agreement", backend=backend) == 1.0
+        assert metric_sum(metrics, "kvrouter_cache_predictions_total", outcome="exact") == 3
+        assert metric_sum(metrics, "kvrouter_cache_predictions_total", outcome="over") == 0
+        assert metric_sum(metrics, "kvrouter_cache_prediction_agreement", backend=backend) == 1.0
     finally:
         router.stop()
 
@@ -116,7 +108,7 @@ def test_the_access_log_can_be_switched_off(sim_fleet: Any, tmp_path: Path, swit
         r = httpx.post(router.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}, timeout=30)
         assert r.status_code == 200
         metrics = httpx.get(router.url + "/metrics", timeout=10).text
-        assert _metric(metrics, "kvrouter_request_duration_seconds_count", model=MODEL) == 1
+        assert metric_sum(metrics, "kvrouter_request_duration_seconds_count", model=MODEL) == 1
         assert len(_access_lines(router, 1, timeout=1.0 if switch else 10.0)) == (0 if switch else 1)
     finally:
         router.stop()
@@ -160,7 +152,7 @@ def test_a_backend_whose_cache_the_router_mispredicts_is_flagged_once(sim_fleet:
                 assert c.post("/v1/completions", json=body).status_code == 200
             metrics = c.get("/metrics").text
             (backend,) = c.get("/debug/backends").json()["backends"]
-        assert _metric(metrics, "kvrouter_cache_predictions_total", outcome="under") >= 69
+        assert metric_sum(metrics, "kvrouter_cache_predictions_total", outcome="under") >= 69
         assert backend["cache_agreement"] < 0.5 and backend["cache_agreement_low"] is True
         assert backend["cache_predictions"] == 70
         warnings = [line for line in router.log().splitlines() if "agree with the engine's on" in line]

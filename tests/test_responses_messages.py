@@ -19,21 +19,14 @@ import pytest
 
 from router.http.responses import ResponseMemory, created_id
 from router.http.sse import ANTHROPIC, RESPONSES, EventCut
-from support import QWEN3_DIR, RouterProc, openai_error, wait_for
+from support import RouterProc, metric_sum, openai_error, wait_for
+from test_request_observability import sim_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 MODEL = "qwen3"
 BALLAST = {"model": MODEL, "max_output_tokens": 2000, "ignore_eos": True, "stream": True}
 """A follow-up that keeps its engine busy for seconds: least loaded would then pick another."""
-
-
-def _config(sim: Any) -> dict[str, Any]:
-    backends = [{"name": f"engine-{i}", "url": sim.http(i), "kv_events": sim.kv(i), "kv_replay": sim.replay(i)}
-                for i in range(sim.instances)]
-    return {"models": [{"name": MODEL, "tokenizer": str(QWEN3_DIR), "block_size": 16, "hash_seed": "0",
-                        "backends": backends}],
-            "router": {"policy": "kv_aware", "health_interval_s": 0.5}}
 
 
 def _events(raw: bytes) -> list[tuple[str, dict[str, Any] | str]]:
@@ -51,14 +44,6 @@ def _events(raw: bytes) -> list[tuple[str, dict[str, Any] | str]]:
         text = "\n".join(data)
         out.append((name, text if text == "[DONE]" else json.loads(text)))
     return out
-
-
-def _metric(text: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def _access_lines(router: RouterProc, path_prefix: str, n: int) -> list[dict[str, Any]]:
@@ -98,7 +83,7 @@ def test_a_chain_of_follow_ups_stays_on_the_engine_that_holds_it(sim_fleet: Any,
     keeps the chain's engine the busiest: least loaded would send each turn elsewhere, where the
     engine answers 404. Every turn lands where its previous response is, and finds its prefix cached."""
     sim = sim_fleet(instances=3)
-    router = RouterProc("chain", _config(sim), tmp_path)
+    router = RouterProc("chain", sim_config(sim), tmp_path)
     try:
         with httpx.Client(base_url=router.url, timeout=60) as c:
             head, home, _ = _turn(c, None, "You are a terse assistant. Tell me about KV caches in vLLM. " * 3, False, "turn-0")
@@ -120,9 +105,9 @@ def test_a_chain_of_follow_ups_stays_on_the_engine_that_holds_it(sim_fleet: Any,
                 assert usage["input_tokens_details"]["cached_tokens"] > 0  # the chain's prefix is cached there
             metrics = c.get("/metrics").text
         endpoint = {"model": MODEL, "endpoint": "/v1/responses"}
-        assert _metric(metrics, "kvrouter_passthrough_decisions_total", reason="response_engine", **endpoint) == 8
-        assert _metric(metrics, "kvrouter_passthrough_decisions_total", reason="least_loaded", **endpoint) == 1
-        assert _metric(metrics, "kvrouter_upstream_failures_total") == 0  # no stream was taken for cut short
+        assert metric_sum(metrics, "kvrouter_passthrough_decisions_total", reason="response_engine", **endpoint) == 8
+        assert metric_sum(metrics, "kvrouter_passthrough_decisions_total", reason="least_loaded", **endpoint) == 1
+        assert metric_sum(metrics, "kvrouter_upstream_failures_total") == 0  # no stream was taken for cut short
         lines = _access_lines(router, "/v1/responses", 9)
         turns = [line for line in lines if line["request_id"].startswith("turn-")]
         assert [line["reason"] for line in turns] == ["least_loaded"] + ["response_engine"] * 4
@@ -143,7 +128,7 @@ def test_a_response_the_router_does_not_know_is_searched_for(sim_fleet: Any, tmp
     made = httpx.post(sim.http(2) + "/v1/responses", timeout=30, json={"model": MODEL, "input": "hello", "max_output_tokens": 3})
     assert made.status_code == 200
     unknown = made.json()["id"]
-    router = RouterProc("search", _config(sim), tmp_path)
+    router = RouterProc("search", sim_config(sim), tmp_path)
     try:
         with httpx.Client(base_url=router.url, timeout=60) as c:
             second, backend, _ = _turn(c, unknown, "and then?", False)
@@ -159,13 +144,13 @@ def test_a_response_the_router_does_not_know_is_searched_for(sim_fleet: Any, tmp
             assert never.status_code == 404 and openai_error(never.content)["message"] == "Response with id 'resp_never' not found."
             assert c.get("/v1/responses/resp_never").status_code == 404
             metrics = c.get("/metrics").text
-        count = lambda reason, endpoint="/v1/responses": _metric(  # noqa: E731
+        count = lambda reason, endpoint="/v1/responses": metric_sum(  # noqa: E731
             metrics, "kvrouter_passthrough_decisions_total", endpoint=endpoint, reason=reason)
         assert count("response_unknown") == 2 and count("response_engine") == 1
         assert count("fallback") == 2 + 2  # the first follow-up's search, then resp_never's
         assert count("response_engine", "/v1/responses/{id}") == 1 and count("response_engine", "/v1/responses/{id}/cancel") == 1
         assert count("response_unknown", "/v1/responses/{id}") == 1
-        assert _metric(metrics, "kvrouter_upstream_retries_total", reason="status_404") == 2 + 2 + 2
+        assert metric_sum(metrics, "kvrouter_upstream_retries_total", reason="status_404") == 2 + 2 + 2
         reasons = [line["reason"] for line in _access_lines(router, "/v1/responses", 6)]
         assert reasons[:4] == ["fallback", "response_engine", "response_engine", "response_engine"]
     finally:
@@ -178,7 +163,7 @@ def test_follow_ups_across_router_workers(sim_fleet: Any, tmp_path: Path) -> Non
     sim = sim_fleet(instances=3)
     made = httpx.post(sim.http(2) + "/v1/responses", timeout=30, json={"model": MODEL, "input": "hello", "max_output_tokens": 3})
     head = made.json()["id"]
-    router = RouterProc("workers", _config(sim), tmp_path, extra_args=["--workers", "2"])
+    router = RouterProc("workers", sim_config(sim), tmp_path, extra_args=["--workers", "2"])
     clients: dict[int, httpx.Client] = {}
     try:
         deadline = time.monotonic() + 60
@@ -193,7 +178,7 @@ def test_follow_ups_across_router_workers(sim_fleet: Any, tmp_path: Path) -> Non
         for i in range(5):
             head, backend, _ = _turn(clients[i % 2], head, f"turn {i}", stream=i % 2 == 1)
             assert backend == "engine-2"
-        wait_for(lambda: _metric(clients[0].get("/metrics").text, "kvrouter_passthrough_decisions_total",
+        wait_for(lambda: metric_sum(clients[0].get("/metrics").text, "kvrouter_passthrough_decisions_total",
                                  reason="response_unknown") >= 5, "both workers' decisions in /metrics", timeout=20)
     finally:
         for c in clients.values():
@@ -203,7 +188,7 @@ def test_follow_ups_across_router_workers(sim_fleet: Any, tmp_path: Path) -> Non
 
 def test_messages_are_proxied_streamed_and_not(sim_fleet: Any, tmp_path: Path) -> None:
     sim = sim_fleet(instances=2)
-    router = RouterProc("messages", _config(sim), tmp_path)
+    router = RouterProc("messages", sim_config(sim), tmp_path)
     body = {"model": MODEL, "max_tokens": 5, "system": "Be terse.", "messages": [{"role": "user", "content": "What is vLLM?"}]}
     try:
         with httpx.Client(base_url=router.url, timeout=60) as c:
@@ -218,7 +203,7 @@ def test_messages_are_proxied_streamed_and_not(sim_fleet: Any, tmp_path: Path) -
             assert names[0] == "message_start" and names[-2:] == ["message_stop", ""] and events[-1][1] == "[DONE]"
             assert "content_block_delta" in names and "error" not in names
             metrics = c.get("/metrics").text
-        assert _metric(metrics, "kvrouter_passthrough_decisions_total", endpoint="/v1/messages", reason="least_loaded") == 2
+        assert metric_sum(metrics, "kvrouter_passthrough_decisions_total", endpoint="/v1/messages", reason="least_loaded") == 2
         plain, streamed = _access_lines(router, "/v1/messages", 2)
         for line in (plain, streamed):
             assert line["status"] == 200 and line["reason"] == "least_loaded" and line["model"] == MODEL
@@ -231,7 +216,7 @@ def test_messages_are_proxied_streamed_and_not(sim_fleet: Any, tmp_path: Path) -
 @pytest.mark.parametrize("path", ["/v1/responses", "/v1/messages"])
 def test_bad_requests_get_openai_errors_from_the_router(sim_fleet: Any, tmp_path: Path, path: str) -> None:
     sim = sim_fleet()
-    router = RouterProc("bad", _config(sim), tmp_path)
+    router = RouterProc("bad", sim_config(sim), tmp_path)
     try:
         with httpx.Client(base_url=router.url, timeout=30) as c:
             cases = [
