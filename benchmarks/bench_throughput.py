@@ -41,7 +41,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -129,27 +128,36 @@ def measure(target: str, port: int, router_pid: int, engine_pid: int, script: Pa
                   wrk_cpu / elapsed, max(0.0, (m1 - m0) - (r1 - r0) - (e1 - e0) - wrk_cpu) / elapsed, errors, summary["p50_us"] / 1e3, summary["p99_us"] / 1e3)
 
 
-def serve_supports_workers() -> bool:
-    """Whether this tree's ``kvrouter serve`` takes ``--workers`` (issue 16's multi-process serve)."""
-    out = subprocess.run([*KVROUTER, "serve", "--help"], capture_output=True, text=True, cwd=REPO, timeout=60).stdout
+def tree_env(tree: Path | None) -> dict[str, str] | None:
+    """The environment that runs ``tree``'s router with this venv (None: this checkout)."""
+    return None if tree is None else {**os.environ, "PYTHONPATH": str(tree)}
+
+
+def serve_supports_workers(tree: Path | None = None) -> bool:
+    """Whether the tree's ``kvrouter serve`` takes ``--workers`` (the multi-process serve)."""
+    out = subprocess.run([*KVROUTER, "serve", "--help"], capture_output=True, text=True, cwd=tree or REPO, timeout=60,
+                         env=tree_env(tree)).stdout
     return "--workers" in out
 
 
-def start_kvrouter(engine_port: int, workers: int, tmp: Path, multi: bool, backends: int = 1) -> tuple[Proc, int]:
+def start_kvrouter(engine_port: int, workers: int, tmp: Path, multi: bool, backends: int = 1,
+                   tree: Path | None = None) -> tuple[Proc, int]:
     """``kvrouter serve`` over the instant engine; ``--workers`` always given when ``serve`` has
-    it (its default is the number of cores, so one process must be asked for)."""
+    it (its default is the number of cores, so one process must be asked for). ``tree``: the
+    router of another checkout (``git worktree add DIR COMMIT``), for before and after in one run."""
     cfg = {
         "models": [{"name": MODEL, "tokenizer": str(QWEN3_DIR), "block_size": 16, "hash_algo": "sha256", "hash_seed": "0",
                     "backends": [{"name": f"instant-{i}", "url": f"http://127.0.0.1:{engine_port}"} for i in range(backends)]}],
         "router": {"policy": "kv_aware"},
     }
-    path = tmp / f"kvrouter-{workers}w-{backends}b.yaml"
+    tag = f"{workers}w-{backends}b" + ("-before" if tree else "")
+    path = tmp / f"kvrouter-{tag}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     port = free_port()
     cmd = [*KVROUTER, "serve", "--config", str(path), "--port", str(port), "--log-level", "warning"]
     if multi:
         cmd += ["--workers", str(workers)]
-    proc = Proc(cmd, tmp / f"kvrouter-{workers}w-{backends}b.log")
+    proc = Proc(cmd, tmp / f"kvrouter-{tag}.log", env=tree_env(tree), **({"cwd": tree} if tree else {}))
     wait_http(f"http://127.0.0.1:{port}/health", timeout=180, proc=proc.popen)
     return proc, port
 
@@ -182,6 +190,9 @@ def report(samples: list[list[Sample]], args: argparse.Namespace) -> dict[str, A
             ratios[f"{a} / {b}"] = statistics.median(per_round)
 
     ratio("kvrouter 2w", "kvrouter 1w")
+    ratio("before 2w", "before 1w")
+    ratio("kvrouter 1w", "before 1w")
+    ratio("kvrouter 2w", "before 2w")
     ratio("kvrouter 1w", "vllm-router rr")
     ratio("kvrouter 2w", "vllm-router rr")
     print("\nratios (median of per-round ratios):")
@@ -192,7 +203,7 @@ def report(samples: list[list[Sample]], args: argparse.Namespace) -> dict[str, A
     quiet: dict[str, list[float]] = {}
     for rnd in samples:
         got = {s.target: s for s in rnd}
-        for a, b in (("kvrouter 2w", "kvrouter 1w"),):
+        for a, b in (("kvrouter 2w", "kvrouter 1w"), ("before 2w", "before 1w")):
             if a in got and b in got and max(got[a].other_cores, got[b].other_cores) < args.quiet:
                 quiet.setdefault(f"{a} / {b}", []).append(got[a].rps / got[b].rps)
     if quiet:
@@ -257,6 +268,9 @@ def main() -> None:
     ap.add_argument("--no-peer", action="store_true", help="leave vllm-router out")
     ap.add_argument("--engine-only", action="store_true", help="measure the candidate engines alone and exit")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
+    ap.add_argument("--before", type=Path, default=None, metavar="TREE",
+                    help="also targets 'before 1w' and 'before 2w': the router of this other checkout (e.g. a git "
+                         "worktree at an older commit), interleaved with this tree's in every round")
     args = ap.parse_args()
     if shutil.which("wrk") is None:
         print(WRK_MISSING, file=sys.stderr)
@@ -284,6 +298,13 @@ def main() -> None:
             proc, port = start_kvrouter(engine_port, w, tmp, multi)
             procs.append(proc)
             targets[f"kvrouter {w}w"] = (port, proc.popen.pid)
+        if args.before is not None:
+            multi_before = serve_supports_workers(args.before)
+            for w in worker_counts:
+                if w == 1 or multi_before:
+                    proc, port = start_kvrouter(engine_port, w, tmp, multi_before, tree=args.before)
+                    procs.append(proc)
+                    targets[f"before {w}w"] = (port, proc.popen.pid)
         for b in (b for b in args.many_backends if b > 1):
             # what each backend a request is weighed against costs: every name is the same engine
             proc, port = start_kvrouter(engine_port, 1, tmp, multi, backends=b)
