@@ -478,7 +478,7 @@ class RedisIndex:
     asyncio client bound to the running event loop, made on first use in each loop.
     """
 
-    def __init__(self, url: str, namespace: str = "kvr") -> None:
+    def __init__(self, url: str, namespace: str = "kvr", caps: KeyCaps | None = None) -> None:
         if "\n" in namespace:
             raise ValueError("namespace must not contain a newline")
         self._url = url
@@ -494,7 +494,7 @@ class RedisIndex:
         """Lookups answered with no hits because Redis did not answer (see :meth:`lookup`)."""
         self._breaker = Breaker()
         """Lookups fail fast while Redis does not answer (:mod:`indexer.breaker`)."""
-        self.caps = KeyCaps()
+        self.caps = caps or KeyCaps()
         """Keys per worker and medium (:class:`indexer.index.KeyCaps`; ``kvrouter indexer`` scrapes no
         ``/metrics``, so its caps stay at the default bound)."""
 

@@ -191,7 +191,8 @@ class Router:
         from indexer.verify import SETTLE_AFTER, HashVerifier
 
         verifiers = {
-            rt.name: HashVerifier(rt.hasher, {a.name: a.path for a in rt.config.lora_adapters}, settle_after=SETTLE_AFTER)
+            rt.name: HashVerifier(rt.hasher, {a.name: a.path for a in rt.config.lora_adapters}, settle_after=SETTLE_AFTER,
+                                  caps=self.index.caps)
             for rt in self.models
         }
         self.streams.subscriber = FleetSubscriber(self.index, specs, verifiers=verifiers, metrics_registry=self.stream_registry)
