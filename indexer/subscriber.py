@@ -28,6 +28,18 @@ current publisher incarnation in order, so each stream is tracked like this:
 When a stream connects and nothing is known about it yet, a replay from seq 0 loads
 whatever history the engine still buffers, so a restarted router starts warm.
 
+One stream cannot hold the others back, and cannot grow the index without bound:
+
+* each stream applies at most :data:`TURN_BYTES` of payload per turn of the loop before
+  every other ready stream gets its turn (a flood queued on one socket used to be drained
+  a thousand messages at a time);
+* the index holds at most its caps' keys per worker and medium (:class:`indexer.index.KeyCaps`:
+  twice the engine's capacity), and a worker stores into at most :data:`MAX_MEDIA_PER_WORKER`
+  tiers. A stored event longer than the cap is cut to its last ``cap`` blocks before it is
+  verified, so its cost is bounded by the cap too. Keys dropped either way are counted
+  (``kvrouter_kv_event_keys_capped_total``) and the worker's passing over and back under
+  its cap is logged once each way.
+
 An idle engine publishes nothing, so silence is not death, and a message lost at the end
 of a burst would otherwise stay unnoticed until the next burst. Two mechanisms cover this:
 
@@ -63,11 +75,14 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import zmq
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from zmq.utils.monitor import recv_monitor_message
 
 from indexer.events import (
+    AllBlocksCleared,
+    BlockStored,
     EventBatch,
     EventDecodeError,
     build_replay_request,
@@ -77,12 +92,12 @@ from indexer.events import (
 )
 from indexer.breaker import Outage
 from indexer.heap import trim
-from indexer.index import Index, Worker
+from indexer.index import DEFAULT_MEDIUM, Index, KeyCaps, Worker
 
 if TYPE_CHECKING:
     from indexer.verify import HashVerifier
 
-__all__ = ["FleetSubscriber", "StreamSpec", "StreamStats", "specs_from_config", "offset_endpoint"]
+__all__ = ["FleetSubscriber", "StreamSpec", "StreamStats", "bound_batch", "specs_from_config", "offset_endpoint"]
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +109,16 @@ forged publisher sends more, and the index would hold whatever it said."""
 MAX_MESSAGE_BYTES = 256 << 20
 """ZMQ's own bound (``ZMQ_MAXMSGSIZE``): past it the connection is dropped before the
 message is read, so no single message can take more memory than this."""
+TURN_BYTES = 256 << 10
+"""Payload bytes one stream applies per turn of the subscriber's loop before the other
+streams get theirs (at least one message): ~29,000 bare keys, some 15 ms of index work
+and ~50 ms with hash verification, so a stream flooded with batches delays the others
+by about that much per turn, while a real engine's batches (kilobytes) are applied whole
+and at once when no other stream is busy."""
+MAX_MEDIA_PER_WORKER = 4
+"""Tiers one worker may store into between two clears: GPU, CPU and two more (a connector's
+storage tiers). Each tier has its own cap, so forged tier names would multiply it; a store
+naming a fifth tier is dropped and counted like keys past the cap."""
 WARN_EVERY_S = 10.0
 """A stream's malformed messages are logged at most this often (each one is counted)."""
 _RECENT_MAX = 4096
@@ -132,6 +157,11 @@ class StreamStats:
     no replay could fill, ``restarts`` publisher restarts, ``purges`` clears because the
     worker was dead or removed. ``rehash_mode`` is true while the index holds
     router-computed hashes for this worker because the engine's did not verify.
+    ``capped`` counts stored keys the caps dropped (past the worker's cap, or naming one
+    tier too many); ``over_cap`` is true from the batch that passed the cap until a batch
+    stores without dropping anything (or the worker is cleared). ``capacity`` is the
+    engine's KV-cache capacity per tier in keys, as the router's scrape read it (the cap is
+    twice that; a tier not listed has the default bound).
     """
 
     connected: bool = False
@@ -155,6 +185,9 @@ class StreamStats:
     verify_skipped: int = 0
     rehash_mode: bool = False
     rehash_reason: str | None = None
+    capped: int = 0
+    over_cap: bool = False
+    capacity: dict[str, int] = field(default_factory=dict)
     dead: bool = False
     last_event_age_s: float | None = None
 
@@ -250,6 +283,11 @@ class _Metrics:
             "kvrouter_kv_rehash_mode", "1 while the worker is indexed with router-computed hashes", labels,
             registry=registry,
         )
+        self.capped = Counter(
+            "kvrouter_kv_event_keys_capped", "Stored block keys dropped because the worker held more than its cap "
+            "(twice its engine's KV-cache capacity per tier) or stored into too many tiers: forged events, or "
+            "lost removals", labels, registry=registry,
+        )
         self.connected = Gauge("kvrouter_kv_stream_connected", "1 while the event stream is connected", labels, registry=registry)
         self.heap_trims = Counter(
             "kvrouter_kv_event_heap_trims", "Heap trims after a large replay, by outcome (released: pages went back "
@@ -297,6 +335,8 @@ class _Stream:
         self.unlogged = 0
         """Malformed messages counted but not logged since ``warned_at`` (:data:`WARN_EVERY_S`)."""
         """The index refused writes (Redis down): logged once, and once more when it takes them again."""
+        self.media: set[str] = set()
+        """Tiers the worker stored into since it was last cleared (:data:`MAX_MEDIA_PER_WORKER`)."""
 
 
 class FleetSubscriber:
@@ -416,6 +456,7 @@ class FleetSubscriber:
                     counts[model] = {}
             snap = replace(st.stats)
             snap.blocks = counts[model].get(st.spec.worker, 0)
+            snap.capacity = self._index.caps.capacity(st.spec.worker)
             snap.last_event_age_s = None if st.last_msg is None else round(now - st.last_msg, 3)
             out[st.spec.worker] = snap
         return out
@@ -557,7 +598,9 @@ class FleetSubscriber:
                 log.info("kv events %s disconnected from %s", _name(st), st.spec.endpoint)
 
     def _on_sub(self, st: _Stream) -> None:
+        """One turn: messages up to :data:`TURN_BYTES` of payload (at least one), then the next stream's."""
         assert st.sub is not None
+        budget = TURN_BYTES
         for _ in range(1000):
             try:
                 frames = st.sub.recv_multipart(zmq.NOBLOCK, copy=True)
@@ -570,6 +613,9 @@ class FleetSubscriber:
                 continue
             st.last_msg = time.monotonic()
             self._on_live(st, seq, payload)
+            budget -= len(payload)
+            if budget <= 0:
+                return
 
     def _on_live(self, st: _Stream, seq: int, payload: bytes) -> None:
         if st.stats.dead:
@@ -799,6 +845,7 @@ class FleetSubscriber:
         except EventDecodeError as e:
             self._malformed(st, f"seq {seq}: {e}")
             return
+        batch, dropped = bound_batch(batch, st.media, self._index.caps, st.spec.worker)
         verifier = self._verifiers.get(st.spec.model)
         if verifier is not None:
             try:
@@ -807,7 +854,7 @@ class FleetSubscriber:
                 self._malformed(st, f"seq {seq}: cannot be verified: {e!r}")
                 return
         try:
-            self._index.apply(st.spec.model, st.spec.worker, batch)
+            dropped += self._index.apply(st.spec.model, st.spec.worker, batch) or 0
         except ValueError as e:
             # The index refused the batch's content: it would refuse it again after a
             # re-sync (which replays it), so it is skipped like any malformed batch.
@@ -818,12 +865,29 @@ class FleetSubscriber:
             st.resync_at = time.monotonic()
             return
         self._outage.answered(st.spec.worker, "kv events %s: the index takes writes again", _name(st))
+        self._capped(st, dropped, batch)
         st.stats.batches += 1
         self._metrics.batches.labels(*st.labels).inc()
         for ev in batch.events:
             kind = type(ev).__name__
             st.stats.events += 1
             self._metrics.events.labels(*st.labels, kind).inc()
+
+    def _capped(self, st: _Stream, dropped: int, batch: EventBatch) -> None:
+        """Count what the caps dropped; log the worker's passing over its cap, and back under it, once each."""
+        s = st.stats
+        if dropped:
+            s.capped += dropped
+            self._metrics.capped.labels(*st.labels).inc(dropped)
+            if not s.over_cap:
+                s.over_cap = True
+                log.warning("kv events %s: more keys than the worker's cap (twice its engine's KV-cache capacity per "
+                            "tier) or than %d tiers: dropping the oldest, counted in kvrouter_kv_event_keys_capped_total. "
+                            "Its events are forged or its removals were lost; logged again when it is back under",
+                            _name(st), MAX_MEDIA_PER_WORKER)
+        elif s.over_cap and any(type(ev) is BlockStored for ev in batch.events):
+            s.over_cap = False
+            log.info("kv events %s: back under its key cap", _name(st))
 
     def _verify(self, st: _Stream, verifier: HashVerifier, batch: EventBatch) -> EventBatch:
         outcome = verifier.check(st.spec.worker, batch)
@@ -843,6 +907,8 @@ class FleetSubscriber:
         return outcome.batch
 
     def _clear(self, st: _Stream) -> bool:
+        st.media.clear()
+        st.stats.over_cap = False
         verifier = self._verifiers.get(st.spec.model)
         if verifier is not None:
             verifier.forget(st.spec.worker)
@@ -934,6 +1000,49 @@ def _unique(specs: list[StreamSpec]) -> list[StreamSpec]:
             raise ValueError(f"two event streams for worker {s.worker}")
         seen[s.worker] = s
     return list(seen.values())
+
+
+def bound_batch(batch: EventBatch, media: set[str], caps: KeyCaps, worker: Worker) -> tuple[EventBatch, int]:
+    """``batch`` without what the caps would drop anyway, and how many keys that is: stores
+    into a tier beyond :data:`MAX_MEDIA_PER_WORKER` (``media``: the tiers ``worker`` stored
+    into since it was last cleared, updated here), and the blocks of a stored event before
+    its last ``cap`` (the index would evict them at once; cut here, the verifier never walks
+    them). The batch itself when nothing is dropped, the common case."""
+    events: list[Any] | None = None
+    dropped = 0
+    for i, ev in enumerate(batch.events):
+        if type(ev) is AllBlocksCleared:
+            media.clear()
+        elif type(ev) is BlockStored:  # any KV-cache group: the verifier walks them all
+            medium = ev.medium or DEFAULT_MEDIUM
+            n = len(ev.block_hashes)
+            if medium not in media and len(media) >= MAX_MEDIA_PER_WORKER:
+                keep = 0
+            else:
+                media.add(medium)
+                keep = min(n, caps.cap(worker, medium))
+            if keep < n:
+                dropped += n - keep
+                if events is None:
+                    events = list(batch.events[:i])
+                if keep:
+                    events.append(_last_blocks(ev, keep))
+                continue
+        if events is not None:
+            events.append(ev)
+    if events is None:
+        return batch, 0
+    return EventBatch(batch.ts, events, batch.data_parallel_rank), dropped
+
+
+def _last_blocks(ev: BlockStored, n: int) -> BlockStored:
+    """``ev`` cut to its last ``n`` blocks, chained to the block before them as their parent."""
+    cut = len(ev.block_hashes) - n
+    b = ev.block_size
+    tokens = ev.token_ids[cut * b :] if len(ev.token_ids) == len(ev.block_hashes) * b else []
+    extra = ev.extra_keys[cut:] if isinstance(ev.extra_keys, list) else ev.extra_keys
+    return msgspec.structs.replace(ev, block_hashes=ev.block_hashes[cut:], parent_block_hash=ev.block_hashes[cut - 1],
+                                   token_ids=tokens, extra_keys=extra)
 
 
 def _name(st: _Stream) -> str:
