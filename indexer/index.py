@@ -290,13 +290,14 @@ class _ModelIndex:
 
     def store(self, worker: Worker, keys: Sequence[int], medium: str, cap: int) -> int:
         """Store ``keys``, then evict the worker's oldest keys in ``medium`` past ``cap``;
-        the number of keys dropped (of a store longer than ``cap`` only its last ``cap``
-        keys can stay, so the rest are dropped unread)."""
+        the number of keys dropped. Of a store longer than ``cap`` only its first ``cap``
+        keys are kept and the rest dropped unread: a store is one chain, head first, and
+        hits are always a prefix, so its tail without its head could never be hit."""
         if not keys:
             return 0
         dropped = max(0, len(keys) - cap)
         if dropped:
-            keys = keys[dropped:]
+            keys = keys[:cap]
         slot = self.slot(worker)
         bit = 1 << slot
         table = self.table(medium)

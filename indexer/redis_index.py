@@ -512,9 +512,9 @@ class RedisIndex:
         args: list[object] = []
         for kind, medium, keys in ops:
             cap = self.caps.cap(worker, medium) if kind == "s" else 0
-            if len(keys) > cap > 0:  # only the last ``cap`` keys of one store can stay
+            if len(keys) > cap > 0:  # a chain's head: its tail alone could never be hit
                 dropped += len(keys) - cap
-                keys = keys[-cap:]
+                keys = keys[:cap]
             args += (kind, wid, medium, cap, len(keys))
             args += _members(keys)
         prefix = self._prefix(model)

@@ -35,8 +35,8 @@ One stream cannot hold the others back, and cannot grow the index without bound:
   a thousand messages at a time);
 * the index holds at most its caps' keys per worker and medium (:class:`indexer.index.KeyCaps`:
   twice the engine's capacity), and a worker stores into at most :data:`MAX_MEDIA_PER_WORKER`
-  tiers. A stored event longer than the cap is cut to its last ``cap`` blocks before it is
-  verified, so its cost is bounded by the cap too. Keys dropped either way are counted
+  tiers. A stored event longer than the cap is cut to its first ``cap`` blocks (the head of
+  its chain: hits are a prefix) before it is verified, so its cost is bounded by the cap too. Keys dropped either way are counted
   (``kvrouter_kv_event_keys_capped_total``) and the worker's passing over and back under
   its cap is logged once each way.
 
@@ -1005,9 +1005,9 @@ def _unique(specs: list[StreamSpec]) -> list[StreamSpec]:
 def bound_batch(batch: EventBatch, media: set[str], caps: KeyCaps, worker: Worker) -> tuple[EventBatch, int]:
     """``batch`` without what the caps would drop anyway, and how many keys that is: stores
     into a tier beyond :data:`MAX_MEDIA_PER_WORKER` (``media``: the tiers ``worker`` stored
-    into since it was last cleared, updated here), and the blocks of a stored event before
-    its last ``cap`` (the index would evict them at once; cut here, the verifier never walks
-    them). The batch itself when nothing is dropped, the common case."""
+    into since it was last cleared, updated here), and the blocks of a stored event past
+    its first ``cap`` (the index would drop them; cut here, the verifier never walks them).
+    The batch itself when nothing is dropped, the common case."""
     events: list[Any] | None = None
     dropped = 0
     for i, ev in enumerate(batch.events):
@@ -1026,7 +1026,7 @@ def bound_batch(batch: EventBatch, media: set[str], caps: KeyCaps, worker: Worke
                 if events is None:
                     events = list(batch.events[:i])
                 if keep:
-                    events.append(_last_blocks(ev, keep))
+                    events.append(_first_blocks(ev, keep))
                 continue
         if events is not None:
             events.append(ev)
@@ -1035,14 +1035,12 @@ def bound_batch(batch: EventBatch, media: set[str], caps: KeyCaps, worker: Worke
     return EventBatch(batch.ts, events, batch.data_parallel_rank), dropped
 
 
-def _last_blocks(ev: BlockStored, n: int) -> BlockStored:
-    """``ev`` cut to its last ``n`` blocks, chained to the block before them as their parent."""
-    cut = len(ev.block_hashes) - n
+def _first_blocks(ev: BlockStored, n: int) -> BlockStored:
+    """``ev`` cut to its first ``n`` blocks: the head of its chain, still chained to its parent."""
     b = ev.block_size
-    tokens = ev.token_ids[cut * b :] if len(ev.token_ids) == len(ev.block_hashes) * b else []
-    extra = ev.extra_keys[cut:] if isinstance(ev.extra_keys, list) else ev.extra_keys
-    return msgspec.structs.replace(ev, block_hashes=ev.block_hashes[cut:], parent_block_hash=ev.block_hashes[cut - 1],
-                                   token_ids=tokens, extra_keys=extra)
+    tokens = ev.token_ids[: n * b] if len(ev.token_ids) == len(ev.block_hashes) * b else []
+    extra = ev.extra_keys[:n] if isinstance(ev.extra_keys, list) else ev.extra_keys
+    return msgspec.structs.replace(ev, block_hashes=ev.block_hashes[:n], token_ids=tokens, extra_keys=extra)
 
 
 def _name(st: _Stream) -> str:

@@ -261,7 +261,8 @@ def test_a_forged_flood_is_capped_and_the_other_stream_stays_current(caplog: pyt
     """A forger on engine-0's stream sends 5M keys in 100 well-formed batches of 50k (450 KB,
     far under MAX_EVENT_BYTES). Engine-0 keeps at most its cap of keys (twice its capacity),
     the newest, and the drops are counted and logged once; a batch engine-1 publishes while
-    the flood is being applied is applied within a second (one thread serves both streams)."""
+    the flood is being applied is applied before the flood is through (one thread serves
+    both streams; how long it waits is benchmarks/bench_flood.py's to measure)."""
     capacity, n, per = 50_000, 100, 50_000
     flood = flood_batches(n, per)
     a, b = EnginePublisher(), EnginePublisher()
@@ -320,14 +321,14 @@ def test_a_worker_stores_into_at_most_four_tiers() -> None:
 
 
 def test_an_event_longer_than_the_cap_is_cut_before_it_is_verified() -> None:
-    """Only its last ``cap`` blocks could stay in the index, so only those are verified: a
-    forged 200k-block event costs the cap's work, not its own."""
+    """Only its first ``cap`` blocks (the head of its chain) can stay in the index, so only
+    those are verified: a forged 200k-block event costs the cap's work, not its own."""
     hasher = BlockHasher("sha256", 16, "0", "0.33.0")
     tokens = list(range(16 * 30))
     keys = hasher.hash_blocks_int64(tokens)
     pub = EnginePublisher()
     index = MemoryIndex()
-    index.caps.set_capacity(W0, {"GPU": 10})
+    index.caps.set_capacity(W0, {"GPU": 5})
     sub = FleetSubscriber(index, [spec(pub)], verifiers={MODEL: HashVerifier(hasher)})
     sub.start()
     try:
@@ -339,9 +340,9 @@ def test_an_event_longer_than_the_cap_is_cut_before_it_is_verified() -> None:
         pub.publish(flood_batches(1, 200_000)[0])
         wait_for(lambda: sub.stats()[W0].batches == 3, "applied")
         st = sub.stats()[W0]
-        assert st.verify_match == 30 and st.verify_mismatch == 0, "the cut event's tail still chains to its parent"
-        assert st.verify_unverifiable == 20, st
-        assert st.capped == 10 + 200_000 and index.block_counts(MODEL) == {W0: 20}
+        assert st.verify_match == 20 and st.verify_mismatch == 0, "the cut event's head still chains to its parent"
+        assert st.verify_unverifiable == 10, st
+        assert st.capped == 10 + 10 + 200_000 and index.block_counts(MODEL) == {W0: 10}
     finally:
         sub.stop()
         pub.close()
