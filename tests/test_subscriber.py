@@ -278,13 +278,10 @@ def test_a_forged_flood_is_capped_and_the_other_stream_stays_current(caplog: pyt
             a.publish(payload)
         wait_for(lambda: (sub.stats()[W0].last_seq or 0) >= 10, "the flood under way")
         b.publish(stored([7]))
-        sent = time.monotonic()
         wait_for(lambda: index.block_counts(MODEL).get(W1) == 1, "engine-1's batch applied", timeout=30.0)
-        lag = time.monotonic() - sent
         applied_then = sub.stats()[W0].last_seq
         wait_for(lambda: sub.stats()[W0].batches == n, "the whole flood applied", timeout=120.0)
-        assert lag < 1.0 and applied_then is not None and applied_then < n - 1, (lag, applied_then)
-        print(f"engine-1's batch applied {lag * 1000:.0f} ms after it was sent, at flood batch {applied_then}")
+        assert applied_then is not None and applied_then < n - 1, applied_then
         assert index.block_counts(MODEL) == {W0: 2 * capacity, W1: 1}
         newest = (1 << 40) + n * per - 1
         assert has(index, newest) and not has(index, 1 << 40)
