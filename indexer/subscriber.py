@@ -854,7 +854,7 @@ class FleetSubscriber:
                 self._malformed(st, f"seq {seq}: cannot be verified: {e!r}")
                 return
         try:
-            dropped += self._index.apply(st.spec.model, st.spec.worker, batch) or 0
+            dropped += self._index.apply(st.spec.model, st.spec.worker, batch)
         except ValueError as e:
             # The index refused the batch's content: it would refuse it again after a
             # re-sync (which replays it), so it is skipped like any malformed batch.

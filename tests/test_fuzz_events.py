@@ -384,10 +384,10 @@ class RefusingIndex(MemoryIndex):
         super().__init__()
         self.clears = 0
 
-    def apply(self, model: str, worker: Worker, batch: EventBatch) -> None:
+    def apply(self, model: str, worker: Worker, batch: EventBatch) -> int:
         if any(isinstance(ev, BlockStored) and 666 in ev.block_hashes for ev in batch.events):
             raise ValueError("refused")
-        super().apply(model, worker, batch)
+        return super().apply(model, worker, batch)
 
     def clear(self, model: str, worker: Worker) -> None:
         self.clears += 1
