@@ -37,6 +37,10 @@ Semantics common to both:
   copies.
 * ``block_counts`` counts distinct (block key, medium) entries per worker, not copies;
   a worker holding nothing is absent.
+* A worker holds at most ``caps.cap(worker, medium)`` keys per medium (:class:`KeyCaps`:
+  twice its engine's capacity in that tier). A ``store`` past the cap evicts the worker's
+  oldest keys in that medium (oldest by first store since its last compaction), O(1)
+  amortised per key; ``apply`` returns how many keys the caps dropped.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ import logging
 import sys
 import threading
 from array import array
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from itertools import groupby, repeat
 from typing import NamedTuple, Protocol
 
@@ -56,6 +60,7 @@ __all__ = [
     "Hits",
     "Index",
     "InvalidKey",
+    "KeyCaps",
     "MemoryIndex",
     "Op",
     "Worker",
@@ -68,6 +73,13 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MEDIUM = "GPU"
 KEY_LIMIT = 1 << 64
+KEY_CAP_SLACK = 2
+"""A worker may hold this many times its engine's block capacity in keys per medium (see :class:`KeyCaps`)."""
+DEFAULT_CAPACITY_BLOCKS = 1 << 20
+"""The capacity assumed for a tier whose engine does not report one (no scrape yet, a tier
+``vllm:cache_config_info`` does not describe, ``kvrouter indexer``): about a million blocks,
+more than a small model's KV cache on eight H200s, so a real engine never meets the cap,
+while a forged stream costs the index at most ~200 MB per (worker, medium)."""
 
 
 class Worker(NamedTuple):
@@ -85,11 +97,56 @@ class InvalidKey(ValueError):
     """A block key that is not an int in ``0 .. 2**64-1``."""
 
 
+class KeyCaps:
+    """How many keys each worker may hold per medium: :data:`KEY_CAP_SLACK` times the blocks
+    its engine has in that tier (``vllm:cache_config_info``'s ``num_gpu_blocks`` for GPU,
+    ``num_cpu_blocks`` for CPU when the engine says), else :data:`DEFAULT_CAPACITY_BLOCKS`.
+
+    A real engine never holds more blocks in a tier than the tier has, so a worker past its
+    capacity is being sent forged events (KV-event sockets are unauthenticated) or lost
+    some removals. Why twice and not once: the capacity is read off a scrape up to an
+    interval old (an engine restarted with a bigger cache reports it only at the next
+    one), the offloading connector's CPU tier may key one of its blocks by several hashes,
+    and a real key evicted by mistake costs a routing miss while the slack costs only
+    bounded memory. So a real engine stays clear of the cap, and a flood still ends at a
+    bound the operator can read off ``/metrics``.
+
+    Thread-safety: :meth:`set_capacity` (the router's scrape) replaces a worker's entry
+    whole, so the subscriber thread's :meth:`cap` reads either the old or the new one.
+    """
+
+    def __init__(self, default_blocks: int = DEFAULT_CAPACITY_BLOCKS, slack: int = KEY_CAP_SLACK) -> None:
+        self.default_blocks = default_blocks
+        self.slack = slack
+        self._blocks: dict[Worker, dict[str, int]] = {}
+
+    def set_capacity(self, worker: Worker, blocks: Mapping[str, int] | None) -> None:
+        """``worker``'s engine holds at most ``blocks[medium]`` blocks per tier (None: unknown again)."""
+        if blocks is None:
+            self._blocks.pop(worker, None)
+        else:
+            self._blocks[worker] = {m: int(n) for m, n in blocks.items() if int(n) > 0}
+
+    def capacity(self, worker: Worker) -> dict[str, int]:
+        """The tiers' capacities known for ``worker`` (a copy)."""
+        return dict(self._blocks.get(worker, {}))
+
+    def cap(self, worker: Worker, medium: str) -> int:
+        """The most keys ``worker`` may hold in ``medium``."""
+        known = self._blocks.get(worker)
+        blocks = known.get(medium) if known else None
+        return self.slack * (blocks or self.default_blocks)
+
+
 class Index(Protocol):
     """Where the fleet's cached blocks are, per model, worker and medium."""
 
-    def apply(self, model: str, worker: Worker, batch: EventBatch) -> None:
-        """Apply one event batch in order (the subscriber thread calls this)."""
+    caps: KeyCaps
+    """The bound on keys per worker and medium, which :meth:`apply` and :meth:`store` enforce."""
+
+    def apply(self, model: str, worker: Worker, batch: EventBatch) -> int:
+        """Apply one event batch in order (the subscriber thread calls this); the number of
+        stored keys the caps dropped (evicted, or past the cap within one event)."""
 
     def store(self, model: str, worker: Worker, keys: Sequence[int], medium: str | None = DEFAULT_MEDIUM) -> None:
         """``worker`` now holds one more copy of each of ``keys`` in ``medium``."""
@@ -188,7 +245,9 @@ class _ModelIndex:
       its key object.
     * ``logs[(slot, medium)]`` holds every key stored by that worker in that medium
       since the last compaction (removed keys included, duplicates possible), as raw
-      8-byte values: clearing a worker walks its own log, never the whole table.
+      8-byte values, in the order of their store: clearing a worker walks its own log,
+      never the whole table. ``heads[(slot, medium)]`` (0 when absent) is where the
+      cap's eviction resumes: every key the worker holds has an entry at or after it.
     * ``counts[(slot, medium)]`` is the number of keys whose mask has the slot's bit.
     * ``extras[(slot, medium)]`` maps a key to the copies the worker holds beyond the
       first (always > 0), and only ever names keys whose mask has the slot's bit.
@@ -201,7 +260,7 @@ class _ModelIndex:
     Writers hold :class:`MemoryIndex`'s lock; keys are already checked.
     """
 
-    __slots__ = ("counts", "extras", "logs", "order", "slots", "spreads", "tables", "workers")
+    __slots__ = ("counts", "extras", "heads", "logs", "order", "slots", "spreads", "tables", "workers")
 
     def __init__(self) -> None:
         self.slots: dict[Worker, int] = {}
@@ -209,6 +268,7 @@ class _ModelIndex:
         self.tables: dict[str, dict[int, int]] = {}
         self.order: tuple[tuple[str, dict[int, int]], ...] = ()
         self.logs: dict[tuple[int, str], array] = {}
+        self.heads: dict[tuple[int, str], int] = {}
         self.counts: dict[tuple[int, str], int] = {}
         self.extras: dict[tuple[int, str], dict[int, int]] = {}
         self.spreads: dict[int, int] = {}
@@ -228,7 +288,16 @@ class _ModelIndex:
             self.order = tuple(sorted(self.tables.items(), key=lambda mt: medium_rank(mt[0])))
         return table
 
-    def store(self, worker: Worker, keys: Sequence[int], medium: str) -> None:
+    def store(self, worker: Worker, keys: Sequence[int], medium: str, cap: int) -> int:
+        """Store ``keys``, then evict the worker's oldest keys in ``medium`` past ``cap``;
+        the number of keys dropped. Of a store longer than ``cap`` only its first ``cap``
+        keys are kept and the rest dropped unread: a store is one chain, head first, and
+        hits are always a prefix, so its tail without its head could never be hit."""
+        if not keys:
+            return 0
+        dropped = max(0, len(keys) - cap)
+        if dropped:
+            keys = keys[:cap]
         slot = self.slot(worker)
         bit = 1 << slot
         table = self.table(medium)
@@ -250,9 +319,45 @@ class _ModelIndex:
                 if extra is None:
                     extra = self.extras.setdefault(logkey, {})
                 extra[k] = extra.get(k, 0) + 1
-        self.counts[logkey] = count = self.counts.get(logkey, 0) + added
-        if len(log_) > 2 * count + 4096:
-            self.logs[logkey] = array("Q", [k for k in dict.fromkeys(log_) if get(k, 0) & bit])
+        count = self.counts.get(logkey, 0) + added
+        if count > cap:
+            evicted = self._evict(logkey, bit, table, log_, count - cap)
+            count -= evicted
+            dropped += evicted
+        self.counts[logkey] = count
+        head = self.heads.get(logkey, 0)
+        if len(log_) - head > 2 * count + 4096:
+            self.logs[logkey] = array("Q", [k for k in dict.fromkeys(log_[head:]) if get(k, 0) & bit])
+            self.heads.pop(logkey, None)
+        elif head > len(log_) - head + 4096:
+            del log_[:head]
+            self.heads.pop(logkey, None)
+        return dropped
+
+    def _evict(self, logkey: tuple[int, str], bit: int, table: dict[int, int], log_: array, n: int) -> int:
+        """Drop up to ``n`` of the worker's keys, oldest first: walk its log from ``heads``,
+        skipping entries it no longer holds. Each log entry is passed once, so eviction costs
+        O(1) per stored key. All copies of an evicted key go with it."""
+        head = self.heads.get(logkey, 0)
+        end = len(log_)
+        get = table.get
+        extra = self.extras.get(logkey)
+        evicted = 0
+        while evicted < n and head < end:
+            k = log_[head]
+            head += 1
+            m = get(k, 0)
+            if m & bit:
+                m ^= bit
+                if m:
+                    table[k] = m
+                else:
+                    del table[k]
+                if extra:
+                    extra.pop(k, None)
+                evicted += 1
+        self.heads[logkey] = head
+        return evicted
 
     def remove(self, worker: Worker, keys: Sequence[int], medium: str) -> None:
         slot = self.slots.get(worker)
@@ -276,6 +381,7 @@ class _ModelIndex:
             log_ = self.logs.pop(logkey, None)
             if log_ is not None:
                 _drop(table, 1 << slot, log_)
+            self.heads.pop(logkey, None)
             self.counts.pop(logkey, None)
             self.extras.pop(logkey, None)
 
@@ -310,9 +416,10 @@ class MemoryIndex:
     later.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, caps: KeyCaps | None = None) -> None:
         self._models: dict[str, _ModelIndex] = {}
         self._lock = threading.Lock()
+        self.caps = caps or KeyCaps()
 
     def _model(self, model: str) -> _ModelIndex:
         mi = self._models.get(model)
@@ -320,25 +427,29 @@ class MemoryIndex:
             mi = self._models[model] = _ModelIndex()
         return mi
 
-    def apply(self, model: str, worker: Worker, batch: EventBatch) -> None:
+    def apply(self, model: str, worker: Worker, batch: EventBatch) -> int:
         """Apply the batch under one lock hold; its keys need no check (``to_keys`` ranges them)."""
         ops = batch_ops(batch)
         if not ops:
-            return
+            return 0
+        dropped = 0
+        cap = self.caps.cap
         with self._lock:
             mi = self._model(model)
             for op in ops:
                 if op.kind == "store":
-                    mi.store(worker, op.keys, op.medium)
+                    dropped += mi.store(worker, op.keys, op.medium, cap(worker, op.medium))
                 elif op.kind == "remove":
                     mi.remove(worker, op.keys, op.medium)
                 else:
                     mi.clear(worker)
+        return dropped
 
     def store(self, model: str, worker: Worker, keys: Sequence[int], medium: str | None = DEFAULT_MEDIUM) -> None:
         validate_keys(keys)
+        medium = medium or DEFAULT_MEDIUM
         with self._lock:
-            self._model(model).store(worker, keys, medium or DEFAULT_MEDIUM)
+            self._model(model).store(worker, keys, medium, self.caps.cap(worker, medium))
 
     def remove(self, model: str, worker: Worker, keys: Sequence[int], medium: str | None = DEFAULT_MEDIUM) -> None:
         validate_keys(keys)

@@ -23,6 +23,14 @@ one model's keys share a slot and a script may touch all of them):
 * ``x:<slot>\\n<medium>`` -- present only while the slot holds some key in more than one
   block: key -> copies beyond the first (always > 0, only for keys in the slot's log).
 * ``d`` -- a hash whose fields are slots being drained after a ``clear``.
+
+A store that leaves a slot with more keys in a medium than its cap (the op carries
+``caps.cap(worker, medium)``, :class:`indexer.index.KeyCaps`) pops the slot's log from
+its head and clears the bits of the keys still held, until the count is back at the
+cap: each log entry is popped once, so this is O(1) per stored key. The log is in store
+order except for the entries a compaction moved from the head to the tail, so "oldest"
+is approximate after one, which is enough for a cap that only a forged stream or lost
+removals reach.
 * ``{ns}:models`` -- the models written, for memory accounting.
 
 Why one hash of masks per medium rather than a set per worker: a lookup is one
@@ -72,7 +80,7 @@ from prometheus_client import Counter
 
 from indexer.breaker import Breaker, Open
 from indexer.events import EventBatch
-from indexer.index import DEFAULT_MEDIUM, Hits, Worker, batch_ops, validate_keys
+from indexer.index import DEFAULT_MEDIUM, Hits, KeyCaps, Worker, batch_ops, validate_keys
 
 log = logging.getLogger(__name__)
 
@@ -279,8 +287,34 @@ local function compact(h, log, b, count)
   end
   if #keep > 0 then redis.call('RPUSH', log, unpack(keep)) end
 end
-local function store(wid, medium, first, last)
-  if last < first then return end
+local function evict(h, log, extras, b, over)
+  local evicted = 0
+  local copies = redis.call('EXISTS', extras) == 1
+  while evicted < over do
+    local keys = redis.call('LPOP', log, math.min(over - evicted, chunk))
+    if not keys then break end
+    local had = redis.call('HMGET', h, unpack(keys))
+    local cur, gone = {}, {}
+    for i, f in ipairs(keys) do
+      local m = cur[f]
+      if m == nil then m = tonumber(had[i]) or 0 end
+      if band(m, b) ~= 0 then
+        cur[f] = bxor(m, b)
+        gone[#gone + 1] = f
+      else
+        cur[f] = m
+      end
+    end
+    if #gone > 0 then
+      write_masks(h, gone, cur)
+      if copies then redis.call('HDEL', extras, unpack(gone)) end
+      evicted = evicted + #gone
+    end
+  end
+  return evicted
+end
+local function store(wid, medium, cap, first, last)
+  if last < first then return 0 end
   local slot = slot_of(wid, true)
   redis.call('SADD', prefix .. 'm', medium)
   local h, log, extras, b, field = names(slot, medium)
@@ -307,7 +341,13 @@ local function store(wid, medium, first, last)
       count = redis.call('HINCRBY', counts, field, #new)
     end
   end
+  local evicted = 0
+  if count > cap then
+    evicted = evict(h, log, extras, b, count - cap)
+    count = redis.call('HINCRBY', counts, field, -evicted)
+  end
   if count > 0 then compact(h, log, b, count) end
+  return evicted
 end
 local function remove(wid, medium, first, last)
   local slot = slot_of(wid, false)
@@ -388,17 +428,17 @@ local function drain()
   end
   return 0
 end
-local i = 4
+local i, evicted = 4, 0
 while i <= #ARGV do
-  local kind, wid, medium, n = ARGV[i], ARGV[i + 1], ARGV[i + 2], tonumber(ARGV[i + 3])
-  local first, last = i + 4, i + 3 + n
-  if kind == 's' then store(wid, medium, first, last)
+  local kind, wid, medium, cap, n = ARGV[i], ARGV[i + 1], ARGV[i + 2], tonumber(ARGV[i + 3]), tonumber(ARGV[i + 4])
+  local first, last = i + 5, i + 4 + n
+  if kind == 's' then evicted = evicted + store(wid, medium, cap, first, last)
   elseif kind == 'r' then remove(wid, medium, first, last)
   else clear(wid) end
   i = last + 1
 end
-if redis.call('EXISTS', dying) == 0 then return 0 end
-return drain()
+if redis.call('EXISTS', dying) == 0 then return {0, evicted} end
+return {drain(), evicted}
 """
 
 
@@ -438,7 +478,7 @@ class RedisIndex:
     asyncio client bound to the running event loop, made on first use in each loop.
     """
 
-    def __init__(self, url: str, namespace: str = "kvr") -> None:
+    def __init__(self, url: str, namespace: str = "kvr", caps: KeyCaps | None = None) -> None:
         if "\n" in namespace:
             raise ValueError("namespace must not contain a newline")
         self._url = url
@@ -454,45 +494,54 @@ class RedisIndex:
         """Lookups answered with no hits because Redis did not answer (see :meth:`lookup`)."""
         self._breaker = Breaker()
         """Lookups fail fast while Redis does not answer (:mod:`indexer.breaker`)."""
+        self.caps = caps or KeyCaps()
+        """Keys per worker and medium (:class:`indexer.index.KeyCaps`; ``kvrouter indexer`` scrapes no
+        ``/metrics``, so its caps stay at the default bound)."""
 
     def _prefix(self, model: str) -> str:
         return f"{self._ns}:{{{model}}}:"
 
-    def _write(self, model: str, ops: Sequence[tuple[str, str, str, Sequence[int]]]) -> None:
-        """Run ``ops`` -- (kind ``s``/``r``/``c``, worker id, medium, keys) -- in one script call, then finish any draining."""
+    def _write(self, model: str, worker: Worker, ops: Sequence[tuple[str, str, Sequence[int]]]) -> int:
+        """Run ``ops`` of ``worker`` -- (kind ``s``/``r``/``c``, medium, keys) -- in one script call, then
+        finish any draining; the number of stored keys the caps dropped (see :class:`KeyCaps`)."""
         if model not in self._models_seen:
             self._redis.sadd(f"{self._ns}:models", model)
             self._models_seen.add(model)
+        wid = _worker_id(worker)
+        dropped = 0
         args: list[object] = []
-        for kind, wid, medium, keys in ops:
-            args += (kind, wid, medium, len(keys))
+        for kind, medium, keys in ops:
+            cap = self.caps.cap(worker, medium) if kind == "s" else 0
+            if len(keys) > cap > 0:  # a chain's head: its tail alone could never be hit
+                dropped += len(keys) - cap
+                keys = keys[:cap]
+            args += (kind, wid, medium, cap, len(keys))
             args += _members(keys)
         prefix = self._prefix(model)
-        draining = self._write_script(keys=[prefix + "reg"], args=[prefix, _CHUNK, _DRAIN, *args])
+        draining, evicted = self._write_script(keys=[prefix + "reg"], args=[prefix, _CHUNK, _DRAIN, *args])
         while draining:
-            draining = self._write_script(keys=[prefix + "reg"], args=[prefix, _CHUNK, _DRAIN])
+            draining, _ = self._write_script(keys=[prefix + "reg"], args=[prefix, _CHUNK, _DRAIN])
+        return dropped + evicted
 
-    def apply(self, model: str, worker: Worker, batch: EventBatch) -> None:
+    def apply(self, model: str, worker: Worker, batch: EventBatch) -> int:
         ops = batch_ops(batch)
         if not ops:
-            return
-        wid = _worker_id(worker)
-        self._write(model, [
-            ("c", wid, "", ()) if op.kind == "clear"
-            else ("s" if op.kind == "store" else "r", wid, _medium(op.medium), op.keys)
+            return 0
+        return self._write(model, worker, [
+            ("c", "", ()) if op.kind == "clear" else ("s" if op.kind == "store" else "r", _medium(op.medium), op.keys)
             for op in ops
         ])
 
     def store(self, model: str, worker: Worker, keys: Sequence[int], medium: str | None = DEFAULT_MEDIUM) -> None:
         validate_keys(keys)
-        self._write(model, [("s", _worker_id(worker), _medium(medium), keys)])
+        self._write(model, worker, [("s", _medium(medium), keys)])
 
     def remove(self, model: str, worker: Worker, keys: Sequence[int], medium: str | None = DEFAULT_MEDIUM) -> None:
         validate_keys(keys)
-        self._write(model, [("r", _worker_id(worker), _medium(medium), keys)])
+        self._write(model, worker, [("r", _medium(medium), keys)])
 
     def clear(self, model: str, worker: Worker) -> None:
-        self._write(model, [("c", _worker_id(worker), "", ())])
+        self._write(model, worker, [("c", "", ())])
 
     async def lookup(self, model: str, keys: Sequence[int]) -> Hits:
         if not keys:

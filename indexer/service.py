@@ -35,6 +35,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from indexer.index import KeyCaps
 from indexer.redis_index import RedisIndex
 from kvconfig import RouterSettings, bearer_matches, redact_url
 from indexer.subscriber import FleetSubscriber, specs_from_config
@@ -145,9 +146,10 @@ def run(args: argparse.Namespace) -> int:
     if url is None:
         print(f"{args.config}: give --redis URL (the config's index is 'memory')", file=sys.stderr)
         return 2
+    caps = KeyCaps()
     try:
         specs = specs_from_config(config)
-        verifiers = {} if args.no_verify else verifiers_from_config(config)
+        verifiers = {} if args.no_verify else verifiers_from_config(config, caps)
     except ValueError as e:
         print(f"{args.config}: {e}", file=sys.stderr)
         return 2
@@ -163,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
     if namespace != config.index_namespace:
         log.warning("--namespace %r is not the config's index_namespace %r: routers reading %s will not see "
                     "what this indexer writes", namespace, config.index_namespace, args.config)
-    index = RedisIndex(url, namespace=namespace)
+    index = RedisIndex(url, namespace=namespace, caps=caps)
     registry = CollectorRegistry()
     subscriber = FleetSubscriber(index, specs, verifiers=verifiers, dead_grace_s=args.dead_grace_s,
                                  metrics_registry=registry)

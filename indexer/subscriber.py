@@ -21,12 +21,43 @@ current publisher incarnation in order, so each stream is tracked like this:
   ever gives a *subset* of the engine's cache, so the index may miss blocks but never
   claims blocks the engine does not hold.
 * ``seq < expected`` that is not a duplicate of a batch already applied (replays and
-  live copies overlap) means a new publisher process: the worker is cleared and the
-  stream re-synchronised from seq 0 by replay.
+  live copies overlap) may mean a new publisher process, but only the engine can say so:
+  an anchored replay asks it. When it no longer holds the batch applied last (or holds
+  other bytes under its seq) the worker is cleared and the stream re-synchronised from
+  seq 0 by replay; when it still holds it, the message was not the engine's.
+
+Sequence numbers are not authenticated (ZMQ has no peer identity here), so a seq that
+does not follow is *suspect* until the engine corroborates it, and a suspect seq never
+clears the worker on its own. It is counted (``kvrouter_kv_event_suspect_seqs_total``, by
+reason), logged at most every :data:`WARN_EVERY_S`, and dropped:
+
+* ``backwards``: the seq went back but the engine's replay still holds what was applied;
+* ``jump``: the seq is more than :data:`MAX_SEQ_JUMP` past the next one expected, further
+  than any replay buffer reaches, and the engine's replay does not show it moved past
+  what was applied (an engine whose history really is gone shows that in its replay);
+* ``ahead``: a hole up to the seq stays unfilled over :data:`MAX_STALLED_REPLAYS` replays
+  whose answers never reach it: the engine never published it.
+
+Where the engine cannot be asked (no replay endpoint, or its replay does not answer), a
+suspect seq is taken only once :data:`CORROBORATING_BATCHES` batches in a row continue
+from it with nothing arriving at the expected seq in between: a restarted engine does that
+within a few batches, and a forger has to outrun the real engine's stream to do it.
 * ``AllBlocksCleared`` clears the worker (the index does that when it applies the batch).
 
 When a stream connects and nothing is known about it yet, a replay from seq 0 loads
 whatever history the engine still buffers, so a restarted router starts warm.
+
+One stream cannot hold the others back, and cannot grow the index without bound:
+
+* each stream applies at most :data:`TURN_BYTES` of payload per turn of the loop before
+  every other ready stream gets its turn (a flood queued on one socket used to be drained
+  a thousand messages at a time);
+* the index holds at most its caps' keys per worker and medium (:class:`indexer.index.KeyCaps`:
+  twice the engine's capacity), and a worker stores into at most :data:`MAX_MEDIA_PER_WORKER`
+  tiers. A stored event longer than the cap is cut to its first ``cap`` blocks (the head of
+  its chain: hits are a prefix) before it is verified, so its cost is bounded by the cap too. Keys dropped either way are counted
+  (``kvrouter_kv_event_keys_capped_total``) and the worker's passing over and back under
+  its cap is logged once each way.
 
 An idle engine publishes nothing, so silence is not death, and a message lost at the end
 of a burst would otherwise stay unnoticed until the next burst. Two mechanisms cover this:
@@ -63,11 +94,14 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import zmq
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from zmq.utils.monitor import recv_monitor_message
 
 from indexer.events import (
+    AllBlocksCleared,
+    BlockStored,
     EventBatch,
     EventDecodeError,
     build_replay_request,
@@ -77,12 +111,12 @@ from indexer.events import (
 )
 from indexer.breaker import Outage
 from indexer.heap import trim
-from indexer.index import Index, Worker
+from indexer.index import DEFAULT_MEDIUM, Index, KeyCaps, Worker
 
 if TYPE_CHECKING:
     from indexer.verify import HashVerifier
 
-__all__ = ["FleetSubscriber", "StreamSpec", "StreamStats", "specs_from_config", "offset_endpoint"]
+__all__ = ["FleetSubscriber", "StreamSpec", "StreamStats", "bound_batch", "specs_from_config", "offset_endpoint"]
 
 log = logging.getLogger(__name__)
 
@@ -94,10 +128,28 @@ forged publisher sends more, and the index would hold whatever it said."""
 MAX_MESSAGE_BYTES = 256 << 20
 """ZMQ's own bound (``ZMQ_MAXMSGSIZE``): past it the connection is dropped before the
 message is read, so no single message can take more memory than this."""
+TURN_BYTES = 256 << 10
+"""Payload bytes one stream applies per turn of the subscriber's loop before the other
+streams get theirs (at least one message): ~29,000 bare keys, some 15 ms of index work
+and ~50 ms with hash verification, so a stream flooded with batches delays the others
+by about that much per turn, while a real engine's batches (kilobytes) are applied whole
+and at once when no other stream is busy."""
+MAX_MEDIA_PER_WORKER = 4
+"""Tiers one worker may store into between two clears: GPU, CPU and two more (a connector's
+storage tiers). Each tier has its own cap, so forged tier names would multiply it; a store
+naming a fifth tier is dropped and counted like keys past the cap."""
 WARN_EVERY_S = 10.0
 """A stream's malformed messages are logged at most this often (each one is counted)."""
 _RECENT_MAX = 4096
 """Applied batches remembered (seq -> hash of payload) to tell duplicates from restarts."""
+MAX_SEQ_JUMP = 1 << 20
+"""A seq further than this past the next one expected is no drop that a replay could fill:
+vLLM's replay buffer holds 10,000 batches by default, and an engine publishes a batch per
+scheduler step, so a million is hours of a busy engine's stream. Such a jump is suspect
+until corroborated (see the module docstring)."""
+CORROBORATING_BATCHES = 3
+"""Batches in a row, continuing from a suspect seq, that make it believed when the engine's
+replay cannot be asked: a real restart or jump keeps publishing from its new seq."""
 MAX_STALLED_REPLAYS = 3
 """Replays in a row that may apply nothing before a hole inside the engine's answer is
 declared lost: one that applies something proves the engine still answers, so a 10,000-batch
@@ -132,6 +184,13 @@ class StreamStats:
     no replay could fill, ``restarts`` publisher restarts, ``purges`` clears because the
     worker was dead or removed. ``rehash_mode`` is true while the index holds
     router-computed hashes for this worker because the engine's did not verify.
+    ``capped`` counts stored keys the caps dropped (past the worker's cap, or naming one
+    tier too many); ``over_cap`` is true from the batch that passed the cap until a batch
+    stores without dropping anything (or the worker is cleared). ``capacity`` is the
+    engine's KV-cache capacity per tier in keys, as the router's scrape read it (the cap is
+    twice that; a tier not listed has the default bound). ``suspect_seqs`` counts
+    messages whose seq did not follow and that the engine did not corroborate, held back
+    unapplied (see the module docstring).
     """
 
     connected: bool = False
@@ -155,6 +214,10 @@ class StreamStats:
     verify_skipped: int = 0
     rehash_mode: bool = False
     rehash_reason: str | None = None
+    capped: int = 0
+    over_cap: bool = False
+    capacity: dict[str, int] = field(default_factory=dict)
+    suspect_seqs: int = 0
     dead: bool = False
     last_event_age_s: float | None = None
 
@@ -250,6 +313,17 @@ class _Metrics:
             "kvrouter_kv_rehash_mode", "1 while the worker is indexed with router-computed hashes", labels,
             registry=registry,
         )
+        self.capped = Counter(
+            "kvrouter_kv_event_keys_capped", "Stored block keys dropped because the worker held more than its cap "
+            "(twice its engine's KV-cache capacity per tier) or stored into too many tiers: forged events, or "
+            "lost removals", labels, registry=registry,
+        )
+        self.suspect_seqs = Counter(
+            "kvrouter_kv_event_suspect_seqs", "Messages whose seq did not follow, held back unapplied until the "
+            "engine corroborates it (a run of batches taken later counts once; backwards: the engine has not "
+            "restarted; jump: beyond any replay buffer; ahead: the engine never published it)", labels + ["reason"],
+            registry=registry,
+        )
         self.connected = Gauge("kvrouter_kv_stream_connected", "1 while the event stream is connected", labels, registry=registry)
         self.heap_trims = Counter(
             "kvrouter_kv_event_heap_trims", "Heap trims after a large replay, by outcome (released: pages went back "
@@ -297,6 +371,12 @@ class _Stream:
         self.unlogged = 0
         """Malformed messages counted but not logged since ``warned_at`` (:data:`WARN_EVERY_S`)."""
         """The index refused writes (Redis down): logged once, and once more when it takes them again."""
+        self.media: set[str] = set()
+        """Tiers the worker stored into since it was last cleared (:data:`MAX_MEDIA_PER_WORKER`)."""
+        self.suspects: dict[int, bytes] = {}
+        """A run of consecutive suspect messages not yet corroborated (:data:`CORROBORATING_BATCHES`)."""
+        self.suspect_warned_at = -_NEVER
+        self.suspect_unlogged = 0
 
 
 class FleetSubscriber:
@@ -416,6 +496,7 @@ class FleetSubscriber:
                     counts[model] = {}
             snap = replace(st.stats)
             snap.blocks = counts[model].get(st.spec.worker, 0)
+            snap.capacity = self._index.caps.capacity(st.spec.worker)
             snap.last_event_age_s = None if st.last_msg is None else round(now - st.last_msg, 3)
             out[st.spec.worker] = snap
         return out
@@ -557,7 +638,9 @@ class FleetSubscriber:
                 log.info("kv events %s disconnected from %s", _name(st), st.spec.endpoint)
 
     def _on_sub(self, st: _Stream) -> None:
+        """One turn: messages up to :data:`TURN_BYTES` of payload (at least one), then the next stream's."""
         assert st.sub is not None
+        budget = TURN_BYTES
         for _ in range(1000):
             try:
                 frames = st.sub.recv_multipart(zmq.NOBLOCK, copy=True)
@@ -570,6 +653,9 @@ class FleetSubscriber:
                 continue
             st.last_msg = time.monotonic()
             self._on_live(st, seq, payload)
+            budget -= len(payload)
+            if budget <= 0:
+                return
 
     def _on_live(self, st: _Stream, seq: int, payload: bytes) -> None:
         if st.stats.dead:
@@ -587,7 +673,10 @@ class FleetSubscriber:
                 self._begin_replay(st, "sync", pending={seq: payload})
             return
         if seq == st.expected:
+            st.suspects.clear()
             self._apply(st, seq, payload)
+        elif seq > st.expected + MAX_SEQ_JUMP and st.spec.replay_endpoint is None:
+            self._corroborate(st, seq, payload, "jump")
         elif seq > st.expected:
             self._count(st, "gaps")
             log.info("kv events %s gap: expected seq %d, got %d", _name(st), st.expected, seq)
@@ -598,9 +687,10 @@ class FleetSubscriber:
                 self._begin_replay(st, "gap", pending={seq: payload})
         elif st.recent.get(seq) == hash(payload):
             return
+        elif st.spec.replay_endpoint is not None:
+            self._begin_replay(st, "backwards", pending={seq: payload})
         else:
-            self._restart(st, f"seq went back from {st.expected - 1} to {seq}")
-            self._on_live(st, seq, payload)
+            self._corroborate(st, seq, payload, "backwards")
 
     def _on_dealer(self, st: _Stream) -> None:
         assert st.dealer is not None
@@ -719,7 +809,8 @@ class FleetSubscriber:
                 if timed_out or (r.replied_min is not None and r.replied_min > r.start):
                     # No answer, or the engine's buffer moved past the anchor: whatever is
                     # still missing is counted as lost by the run below.
-                    self._apply_run(st, msgs, st.expected, held_from, answered)
+                    if not self._uncorroborated(st, msgs, timed_out):
+                        self._apply_run(st, msgs, st.expected, held_from, answered)
                     return
                 self._restart(st, f"engine no longer holds seq {r.start}")
                 self._resync_with(st, msgs)
@@ -728,6 +819,7 @@ class FleetSubscriber:
                 self._restart(st, f"engine's batch {r.start} differs from the one applied")
                 self._resync_with(st, msgs)
                 return
+            self._uncorroborated(st, msgs, False)
             self._apply_run(st, msgs, st.expected, held_from, answered)
             return
         if r.replied_min is not None:
@@ -772,12 +864,23 @@ class FleetSubscriber:
             if nxt < seq:
                 del msgs[nxt]
                 continue
+            if nxt - seq > MAX_SEQ_JUMP and not seq < held_from < _NEVER:
+                # Not history the engine's answer shows gone: a jump only the engine's own
+                # stream, continuing from it, can make believable.
+                st.stalled = 0
+                self._suspect_run(st, msgs, "jump", corroborate=held_from == _NEVER)
+                return
             st.stalled = 0 if applied else st.stalled + 1
             if seq >= held_from and st.spec.replay_endpoint is not None and st.stalled <= MAX_STALLED_REPLAYS:
                 self._count(st, "refills" if seq <= answered else "gaps")
                 self._begin_replay(st, "gap", pending=msgs)
                 return
             st.stalled = 0
+            if held_from <= answered < seq < _NEVER:
+                # Replays answered, and none reached the hole: the engine never published
+                # what lies above it.
+                self._suspect_run(st, msgs, "ahead", corroborate=False)
+                return
             self._lose(st, f"seqs {seq}..{nxt - 1} are gone from the engine's buffer"
                        if seq < held_from else f"seqs {seq}..{nxt - 1} never came, in {MAX_STALLED_REPLAYS + 1} replays")
             seq = nxt
@@ -799,6 +902,7 @@ class FleetSubscriber:
         except EventDecodeError as e:
             self._malformed(st, f"seq {seq}: {e}")
             return
+        batch, dropped = bound_batch(batch, st.media, self._index.caps, st.spec.worker)
         verifier = self._verifiers.get(st.spec.model)
         if verifier is not None:
             try:
@@ -807,7 +911,7 @@ class FleetSubscriber:
                 self._malformed(st, f"seq {seq}: cannot be verified: {e!r}")
                 return
         try:
-            self._index.apply(st.spec.model, st.spec.worker, batch)
+            dropped += self._index.apply(st.spec.model, st.spec.worker, batch)
         except ValueError as e:
             # The index refused the batch's content: it would refuse it again after a
             # re-sync (which replays it), so it is skipped like any malformed batch.
@@ -818,12 +922,29 @@ class FleetSubscriber:
             st.resync_at = time.monotonic()
             return
         self._outage.answered(st.spec.worker, "kv events %s: the index takes writes again", _name(st))
+        self._capped(st, dropped, batch)
         st.stats.batches += 1
         self._metrics.batches.labels(*st.labels).inc()
         for ev in batch.events:
             kind = type(ev).__name__
             st.stats.events += 1
             self._metrics.events.labels(*st.labels, kind).inc()
+
+    def _capped(self, st: _Stream, dropped: int, batch: EventBatch) -> None:
+        """Count what the caps dropped; log the worker's passing over its cap, and back under it, once each."""
+        s = st.stats
+        if dropped:
+            s.capped += dropped
+            self._metrics.capped.labels(*st.labels).inc(dropped)
+            if not s.over_cap:
+                s.over_cap = True
+                log.warning("kv events %s: more keys than the worker's cap (twice its engine's KV-cache capacity per "
+                            "tier) or than %d tiers: dropping the oldest, counted in kvrouter_kv_event_keys_capped_total. "
+                            "Its events are forged or its removals were lost; logged again when it is back under",
+                            _name(st), MAX_MEDIA_PER_WORKER)
+        elif s.over_cap and any(type(ev) is BlockStored for ev in batch.events):
+            s.over_cap = False
+            log.info("kv events %s: back under its key cap", _name(st))
 
     def _verify(self, st: _Stream, verifier: HashVerifier, batch: EventBatch) -> EventBatch:
         outcome = verifier.check(st.spec.worker, batch)
@@ -843,6 +964,9 @@ class FleetSubscriber:
         return outcome.batch
 
     def _clear(self, st: _Stream) -> bool:
+        st.media.clear()
+        st.suspects.clear()
+        st.stats.over_cap = False
         verifier = self._verifiers.get(st.spec.model)
         if verifier is not None:
             verifier.forget(st.spec.worker)
@@ -858,6 +982,67 @@ class FleetSubscriber:
         self._count(st, "lost")
         log.warning("kv events %s: history lost (%s); worker cleared", _name(st), why)
         self._clear(st)
+
+    def _uncorroborated(self, st: _Stream, msgs: dict[int, bytes], timed_out: bool) -> bool:
+        """After an anchored replay that did not show a restart: the live messages it held
+        with a seq below the expected one (duplicates aside) were not the engine's or, the
+        replay unanswered, are not yet shown to be. True when they made up a run that was
+        taken (the stream was re-synchronised: ``msgs`` is stale)."""
+        assert st.expected is not None
+        back = {seq: msgs.pop(seq) for seq in [s for s in msgs if s < st.expected] if st.recent.get(seq) != hash(msgs[seq])}
+        return bool(back) and self._suspect_run(st, back, "backwards", corroborate=timed_out)
+
+    def _suspect_run(self, st: _Stream, msgs: dict[int, bytes], reason: str, *, corroborate: bool) -> bool:
+        """Drop ``msgs`` as suspect; with ``corroborate`` (the engine could not be asked) they
+        count towards :data:`CORROBORATING_BATCHES`. True when a run was taken."""
+        taken = False
+        for seq in sorted(msgs):
+            if corroborate:
+                taken = self._corroborate(st, seq, msgs[seq], reason)
+                if taken:
+                    break
+            else:
+                self._suspect(st, seq, reason)
+        msgs.clear()
+        return taken
+
+    def _corroborate(self, st: _Stream, seq: int, payload: bytes, reason: str) -> bool:
+        """Hold a suspect message the engine cannot be asked about; take the run it starts
+        once :data:`CORROBORATING_BATCHES` batches continue it (a new publisher, or history
+        really gone): the worker is cleared and the stream re-synchronised from the run.
+        True when taken."""
+        run = st.suspects
+        if seq in run:
+            return False
+        if not run or seq != max(run) + 1:
+            run.clear()
+            self._suspect(st, seq, reason)
+        run[seq] = payload
+        if len(run) < CORROBORATING_BATCHES:
+            return False
+        msgs = dict(run)
+        first = min(msgs)
+        log.warning("kv events %s: %d batches in a row continued from seq %d (expected %s): taken as the engine's",
+                    _name(st), len(msgs), first, st.expected)
+        if st.expected is not None and first < st.expected:
+            self._restart(st, f"seq went back from {st.expected - 1} to {first}")
+        else:
+            self._lose(st, f"seq jumped from {st.expected} to {first}")
+        self._resync_with(st, msgs)
+        return True
+
+    def _suspect(self, st: _Stream, seq: int, reason: str) -> None:
+        """Count a suspect seq; log it unless this stream logged one within :data:`WARN_EVERY_S`."""
+        st.stats.suspect_seqs += 1
+        self._metrics.suspect_seqs.labels(*st.labels, reason).inc()
+        now = time.monotonic()
+        if now - st.suspect_warned_at < WARN_EVERY_S:
+            st.suspect_unlogged += 1
+            return
+        more = f" ({st.suspect_unlogged} more since the last one logged)" if st.suspect_unlogged else ""
+        st.suspect_warned_at, st.suspect_unlogged = now, 0
+        log.warning("kv events %s: suspect seq %d (%s, expected %s) dropped; its events are not the engine's, or not "
+                    "yet shown to be%s", _name(st), seq, reason, st.expected, more)
 
     def _restart(self, st: _Stream, why: str) -> None:
         self._count(st, "restarts")
@@ -934,6 +1119,47 @@ def _unique(specs: list[StreamSpec]) -> list[StreamSpec]:
             raise ValueError(f"two event streams for worker {s.worker}")
         seen[s.worker] = s
     return list(seen.values())
+
+
+def bound_batch(batch: EventBatch, media: set[str], caps: KeyCaps, worker: Worker) -> tuple[EventBatch, int]:
+    """``batch`` without what the caps would drop anyway, and how many keys that is: stores
+    into a tier beyond :data:`MAX_MEDIA_PER_WORKER` (``media``: the tiers ``worker`` stored
+    into since it was last cleared, updated here), and the blocks of a stored event past
+    its first ``cap`` (the index would drop them; cut here, the verifier never walks them).
+    The batch itself when nothing is dropped, the common case."""
+    events: list[Any] | None = None
+    dropped = 0
+    for i, ev in enumerate(batch.events):
+        if type(ev) is AllBlocksCleared:
+            media.clear()
+        elif type(ev) is BlockStored:  # any KV-cache group: the verifier walks them all
+            medium = ev.medium or DEFAULT_MEDIUM
+            n = len(ev.block_hashes)
+            if medium not in media and len(media) >= MAX_MEDIA_PER_WORKER:
+                keep = 0
+            else:
+                media.add(medium)
+                keep = min(n, caps.cap(worker, medium))
+            if keep < n:
+                dropped += n - keep
+                if events is None:
+                    events = list(batch.events[:i])
+                if keep:
+                    events.append(_first_blocks(ev, keep))
+                continue
+        if events is not None:
+            events.append(ev)
+    if events is None:
+        return batch, 0
+    return EventBatch(batch.ts, events, batch.data_parallel_rank), dropped
+
+
+def _first_blocks(ev: BlockStored, n: int) -> BlockStored:
+    """``ev`` cut to its first ``n`` blocks: the head of its chain, still chained to its parent."""
+    b = ev.block_size
+    tokens = ev.token_ids[: n * b] if len(ev.token_ids) == len(ev.block_hashes) * b else []
+    extra = ev.extra_keys[:n] if isinstance(ev.extra_keys, list) else ev.extra_keys
+    return msgspec.structs.replace(ev, block_hashes=ev.block_hashes[:n], token_ids=tokens, extra_keys=extra)
 
 
 def _name(st: _Stream) -> str:

@@ -16,7 +16,9 @@ compares:
 
 Events usually carry only the low 64 bits of each hash, from which a chain cannot be
 continued, so the verifier keeps, per worker, engine key -> the router's full digest of
-every block it holds (engine-reported removals drop entries; the map is bounded). A
+every block it holds (engine-reported removals drop entries; the map is bounded, oldest
+out first, by ``max_tracked_blocks`` and by the worker's key caps in the tiers it stored
+into, so a forged stream costs no more here than in the index). A
 block whose parent is in that map, or whose parent is null (NONE_HASH), can be checked.
 
 With ``settle_after`` set (the router and the indexer use :data:`SETTLE_AFTER`), once a
@@ -58,7 +60,7 @@ from indexer.events import (
     to_key,
 )
 from indexer.hashing import ALGOS, BlockHasher, Dialect, HashConfigError, to_int64
-from indexer.index import Worker
+from indexer.index import KeyCaps, Worker
 
 __all__ = ["SETTLE_AFTER", "HashVerifier", "VerifyOutcome", "verifiers_from_config"]
 
@@ -121,6 +123,10 @@ class _WorkerState:
     ambiguous_roots: int = 0
     streak: int = 0
     """Blocks verified in a row (reset by a mismatch): ``settle_after`` of them settle the worker."""
+    media: set[str] = field(default_factory=set)
+    """Tiers the worker stored into: the sum of their key caps bounds ``held``."""
+    limit: int = 0
+    """The most blocks ``held`` keeps (see :meth:`HashVerifier._limit`)."""
 
 
 @dataclass
@@ -149,12 +155,14 @@ class HashVerifier:
         max_tracked_blocks: int = 1 << 20,
         settle_after: int | None = None,
         spot_blocks: int = 2,
+        caps: KeyCaps | None = None,
     ) -> None:
         self.hasher = hasher
         self.lora_paths = dict(lora_paths or {})
         self._window = window
         self._min_mismatches = min_mismatches
         self._max_tracked = max_tracked_blocks
+        self._caps = caps
         self._settle_after = settle_after
         self._spot_blocks = spot_blocks
         self._events_have_keys = "extra_keys" in schema_for(hasher.vllm_version).stored_fields
@@ -170,6 +178,7 @@ class HashVerifier:
         storing its current blocks under the new mode's keys.
         """
         st = self._state(worker)
+        st.limit = self._limit(worker, st, batch)
         counts = _Counts()
         rehash = st.rehash
         out: list[Any] = []
@@ -276,6 +285,14 @@ class HashVerifier:
             parent = digest
         return digests
 
+    def _limit(self, worker: Worker, st: _WorkerState, batch: EventBatch) -> int:
+        """``max_tracked_blocks``, or less: the sum of the worker's key caps over the tiers it
+        stored into (the index holds no more; the caps may change with every scrape)."""
+        if self._caps is None:
+            return self._max_tracked
+        st.media.update(ev.medium or _GPU for ev in batch.events if type(ev) is BlockStored)
+        return min(self._max_tracked, sum(self._caps.cap(worker, m) for m in st.media) or self._max_tracked)
+
     def _settled(self, st: _WorkerState) -> bool:
         return self._settle_after is not None and not st.rehash and st.streak >= self._settle_after
 
@@ -321,7 +338,7 @@ class HashVerifier:
         held = st.held.get(key)
         if held is None:
             st.held[key] = _Held(digest, medium)
-            if len(st.held) > self._max_tracked:
+            while len(st.held) > st.limit:
                 st.held.popitem(last=False)
             return
         if digest is not None:
@@ -402,8 +419,9 @@ class HashVerifier:
         )
 
 
-def verifiers_from_config(config: Any) -> dict[str, HashVerifier]:
-    """One verifier per model of a ``kvconfig.Config``, keyed by model name.
+def verifiers_from_config(config: Any, caps: KeyCaps | None = None) -> dict[str, HashVerifier]:
+    """One verifier per model of a ``kvconfig.Config``, keyed by model name; ``caps``: the
+    index's, which bound what each verifier keeps per worker.
 
     A model whose hashes cannot be reproduced at all (:class:`HashConfigError`, e.g. an
     unset PYTHONHASHSEED on vLLM < 0.30) gets none, with a warning: there is nothing to
@@ -416,7 +434,8 @@ def verifiers_from_config(config: Any) -> dict[str, HashVerifier]:
         except HashConfigError as e:
             log.warning("model %s: hash verification off: %s", model.name, e)
             continue
-        out[model.name] = HashVerifier(hasher, {a.name: a.path for a in model.lora_adapters}, settle_after=SETTLE_AFTER)
+        out[model.name] = HashVerifier(hasher, {a.name: a.path for a in model.lora_adapters}, settle_after=SETTLE_AFTER,
+                                       caps=caps)
     return out
 
 

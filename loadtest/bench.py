@@ -153,7 +153,7 @@ _SAMPLED = ("vllm:num_requests_running", "vllm:num_requests_waiting", "kvrouter_
 def _parse(text: str) -> dict[str, float]:
     """The sampled gauges only: parsing whole pages took a third of the replay process's
     CPU, in a thread that competes for the GIL with the client whose TTFT it measures."""
-    from router.fleet.load import parse_gauges
+    from router.fleet.scrape import parse_gauges
 
     return parse_gauges(text, _SAMPLED)[0]
 

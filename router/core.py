@@ -44,7 +44,8 @@ from router.fleet.backends import BackendPool
 from kvconfig import Backend, Config
 from router.http.errors import NoHealthyBackend
 from router.fleet.gauges import FleetCollector
-from router.fleet.load import LoadTracker, scrape_forever
+from router.fleet.load import Capacity, LoadTracker
+from router.fleet.scrape import scrape_forever
 from router.plans import Planner
 from router.prompt.prompt_ids import IdSource
 from router.http.proxy import Upstreams
@@ -77,6 +78,7 @@ class Router:
         """The lab's knobs (:mod:`router.tuning`): not in the config file."""
         self.pool = BackendPool(config, t)
         self.loads = LoadTracker(list(self.pool.backends))
+        self.loads.on_capacity = self._take_capacity
         self.index: Index = index if index is not None else make_index(config.index, config.index_namespace)
         self.models = Models(config, t)
         # Two workers: tokenization holds the GIL for its Python part (template rendering), so
@@ -189,7 +191,8 @@ class Router:
         from indexer.verify import SETTLE_AFTER, HashVerifier
 
         verifiers = {
-            rt.name: HashVerifier(rt.hasher, {a.name: a.path for a in rt.config.lora_adapters}, settle_after=SETTLE_AFTER)
+            rt.name: HashVerifier(rt.hasher, {a.name: a.path for a in rt.config.lora_adapters}, settle_after=SETTLE_AFTER,
+                                  caps=self.index.caps)
             for rt in self.models
         }
         self.streams.subscriber = FleetSubscriber(self.index, specs, verifiers=verifiers, metrics_registry=self.stream_registry)
@@ -375,6 +378,20 @@ class Router:
             self.path.fed_models.clear()
             self.path.fed_models.update(fed)
             await asyncio.sleep(self.settings.health_interval_s)
+
+    def _take_capacity(self, name: str, capacity: Capacity) -> None:
+        """A scrape read backend ``name``'s KV-cache capacity (tokens per tier, by DP rank): the
+        index caps each of its workers' keys at it (:class:`indexer.index.KeyCaps`), in the
+        model's blocks (one key per ``block_size`` tokens, whatever the engine's pool uses)."""
+        block_size = next((rt.config.block_size for rt in self.models if name in rt.backends), None)
+        backend = self.pool.backends.get(name)
+        if block_size is None or backend is None:
+            return
+        every = range(backend.config.data_parallel_size)
+        for engine, tiers in capacity.items():
+            blocks = {medium: tokens // block_size for medium, tokens in tiers.items()}
+            for rank in every if engine == "" else [int(engine)] if engine.isdigit() else []:
+                self.index.caps.set_capacity(Worker(name, rank), blocks)
 
     def _forget_backend(self, name: str) -> None:
         """An ejected backend's cache is presumed gone (restart): drop what the router knew."""

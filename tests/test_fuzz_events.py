@@ -54,7 +54,7 @@ from indexer.events import (
 from indexer.hashing import BlockHasher
 from indexer.index import Index, MemoryIndex, Worker
 from indexer.redis_index import RedisIndex
-from indexer.subscriber import FleetSubscriber, StreamSpec
+from indexer.subscriber import FleetSubscriber, StreamSpec, bound_batch
 from indexer.verify import SETTLE_AFTER, HashVerifier
 from kvpub import EnginePublisher
 import support
@@ -336,8 +336,9 @@ def test_mutated_payloads_into_redis_leave_what_a_memory_index_would(redis_url: 
             check_common(sub, index, sent, registry, shapes)
             reference = MemoryIndex()
             seen: set[int] = set()
+            media: set[str] = set()
             for batch in filter(None, map(decoded, sent)):
-                reference.apply(MODEL, FUZZED, batch)
+                reference.apply(MODEL, FUZZED, bound_batch(batch, media, reference.caps, FUZZED)[0])
                 seen |= {k for ev in batch.events if isinstance(ev, (BlockStored, BlockRemoved)) for k in to_keys(ev.block_hashes)}
             sample = set(random.Random(5).sample(sorted(seen), min(len(seen), 3000)))
             assert holdings(index, FUZZED, sample) == holdings(reference, FUZZED, sample)
@@ -383,10 +384,10 @@ class RefusingIndex(MemoryIndex):
         super().__init__()
         self.clears = 0
 
-    def apply(self, model: str, worker: Worker, batch: EventBatch) -> None:
+    def apply(self, model: str, worker: Worker, batch: EventBatch) -> int:
         if any(isinstance(ev, BlockStored) and 666 in ev.block_hashes for ev in batch.events):
             raise ValueError("refused")
-        super().apply(model, worker, batch)
+        return super().apply(model, worker, batch)
 
     def clear(self, model: str, worker: Worker) -> None:
         self.clears += 1

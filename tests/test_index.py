@@ -13,7 +13,7 @@ from collections.abc import Iterator, Sequence
 import pytest
 
 from indexer.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
-from indexer.index import Hits, InvalidKey, MemoryIndex, Worker, medium_rank
+from indexer.index import DEFAULT_CAPACITY_BLOCKS, Hits, InvalidKey, MemoryIndex, Worker, medium_rank
 from indexer.redis_index import RedisIndex
 
 A = Worker("a")
@@ -502,6 +502,72 @@ def test_apply_on_another_thread_while_looking_up_never_raises(h: Harness) -> No
     assert h.index.block_counts(M) == {}
 
 
+# -- the cap on keys per worker (KeyCaps) --------------------------------------------------
+
+
+def test_a_worker_past_its_cap_loses_its_oldest_keys_first(h: Harness) -> None:
+    """Capacity 5 blocks: at most 10 keys (KEY_CAP_SLACK = 2); the rest of the fleet is untouched."""
+    h.index.caps.set_capacity(A, {"GPU": 5})
+    h.index.store(M, B, list(range(1, 31)))
+    assert h.index.apply(M, A, batch(stored(list(range(1, 11))))) == 0
+    assert h.index.apply(M, A, batch(stored([11, 12, 13]))) == 3
+    assert h.index.block_counts(M) == {A: 10, B: 30}
+    assert h.lookup([1]) == {B: {"GPU": 1}}
+    assert h.lookup(list(range(4, 14))) == {A: {"GPU": 10}, B: {"GPU": 10}}
+
+
+def test_one_store_longer_than_the_cap_keeps_the_head_of_its_chain(h: Harness) -> None:
+    """Hits are a prefix, so of a chain cut at the cap only its first keys can ever be hit."""
+    h.index.caps.set_capacity(A, {"GPU": 5})
+    h.index.store(M, A, [100])
+    assert h.index.apply(M, A, batch(stored(list(range(1, 26))))) == 16
+    assert h.index.block_counts(M) == {A: 10}
+    assert h.lookup(list(range(1, 26))) == {A: {"GPU": 10}}
+    assert h.lookup([100]) == {} and h.lookup([11]) == {}
+
+
+def test_each_medium_has_its_own_cap_and_unknown_tiers_the_default(h: Harness) -> None:
+    h.index.caps.set_capacity(A, {"GPU": 5, "CPU": 2})
+    assert h.index.apply(M, A, batch(stored(list(range(1, 11)), "GPU"), stored(list(range(1, 8)), "CPU"))) == 3
+    assert h.index.apply(M, A, batch(stored(list(range(1, 21)), "STORAGE"))) == 0
+    assert h.index.block_counts(M) == {A: 10 + 4 + 20}
+    assert h.index.caps.cap(A, "STORAGE") == h.index.caps.cap(B, "GPU") == 2 * DEFAULT_CAPACITY_BLOCKS
+
+
+def test_eviction_skips_keys_already_removed(h: Harness) -> None:
+    h.index.caps.set_capacity(A, {"GPU": 5})
+    h.index.store(M, A, list(range(1, 11)))
+    h.index.remove(M, A, [1, 2, 3, 4, 5])
+    assert h.index.apply(M, A, batch(stored(list(range(11, 16))))) == 0
+    assert h.index.apply(M, A, batch(stored([16]))) == 1
+    assert h.lookup(list(range(7, 17))) == {A: {"GPU": 10}}
+    assert h.lookup([6]) == {}
+
+
+def test_an_evicted_key_goes_with_all_its_copies(h: Harness) -> None:
+    h.index.caps.set_capacity(A, {"GPU": 1})
+    h.index.store(M, A, [1, 1, 1])
+    assert h.index.apply(M, A, batch(stored([2, 3]))) == 1
+    assert h.lookup([1]) == {} and h.index.block_counts(M) == {A: 2}
+    h.index.remove(M, A, [1])
+    h.index.store(M, A, [1])
+    h.index.remove(M, A, [1])
+    assert h.lookup([1]) == {}, "the evicted key's copies are gone, not left to outlive a later store"
+
+
+def test_a_capped_worker_keeps_taking_new_keys_and_clears_whole(h: Harness) -> None:
+    h.index.caps.set_capacity(A, {"GPU": 50})
+    rng = random.Random(3)
+    for _ in range(30):
+        h.index.apply(M, A, batch(stored([rng.getrandbits(64) for _ in range(70)])))
+    last = [rng.getrandbits(64) for _ in range(40)]
+    h.index.apply(M, A, batch(stored(last)))
+    assert h.index.block_counts(M) == {A: 100}
+    assert h.lookup(last) == {A: {"GPU": 40}}, "the newest keys are kept"
+    h.index.apply(M, A, batch(AllBlocksCleared()))
+    assert h.index.block_counts(M) == {} and h.lookup(last) == {}
+
+
 # -- MemoryIndex only --------------------------------------------------------------------
 
 
@@ -518,3 +584,17 @@ def test_memory_index_churn_keeps_worker_logs_bounded() -> None:
     index.clear(M, A)
     assert index.block_counts(M) == {}
     assert asyncio.run(index.lookup(M, keys)) == {}
+
+
+def test_memory_index_flood_past_the_cap_keeps_its_log_bounded() -> None:
+    """A worker fed far more keys than its cap: the eviction cursor's log is trimmed as it goes."""
+    index = MemoryIndex()
+    index.caps.set_capacity(A, {"GPU": 500})
+    rng = random.Random(2)
+    for _ in range(200):
+        index.store(M, A, [rng.getrandbits(64) for _ in range(1000)])
+    assert index.block_counts(M) == {A: 1000}
+    mi = index._models[M]
+    assert len(mi.logs[(0, "GPU")]) - mi.heads.get((0, "GPU"), 0) == 1000
+    assert len(mi.logs[(0, "GPU")]) < 2 * 1000 + 4096 + 1000
+    assert index.memory_bytes() < 400_000

@@ -13,7 +13,8 @@ from collections import Counter
 import pytest
 
 from kvconfig import KvAwareWeights
-from router.fleet.load import BackendLoad, LoadTracker, parse_vllm_metrics
+from router.fleet.load import BackendLoad, LoadTracker
+from router.fleet.scrape import parse_vllm_metrics
 from router.policies.approx_index import STRIDE, ApproxPrefixIndex
 from router.policies.base import UNROUTABLE, Candidate, RequestCtx
 from router.policies.kv_aware import KvAware

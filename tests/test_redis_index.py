@@ -245,7 +245,7 @@ def test_a_drain_left_unfinished_is_invisible_and_resumed_by_the_next_write(inde
     p = f"{ns}:{{{M}}}:"
     index.store(M, A, list(range(1, 101)))
     index.store(M, B, list(range(1, 4)))
-    index._write_script(keys=[p + "reg"], args=[p, 2048, 10, "c", '["a",0]', "", 0])
+    index._write_script(keys=[p + "reg"], args=[p, 2048, 10, "c", '["a",0]', "", 0, 0])
     assert server.hkeys(p + "d") == [b"0"]
     assert server.llen(p + "l:0\nGPU") == 90
     assert lookup(index, list(range(1, 101))) == {B: {"GPU": 3}}

@@ -659,7 +659,7 @@ def fault(fleet: dict[str, Any], i: int, **update: Any) -> None:
 
 
 def engines_running(fleet: dict[str, Any]) -> float:
-    from router.fleet.load import parse_vllm_metrics
+    from router.fleet.scrape import parse_vllm_metrics
 
     total = 0.0
     for i in range(N_ENGINES):

@@ -249,3 +249,97 @@ def test_an_oversized_batch_is_skipped_and_counted_and_the_stream_goes_on() -> N
         wait_for(lambda: has(index, 7) and has(index, 8, W1), "the batches after the oversized one applied")
         assert sub.stats()[W0].malformed == 1 and sub.stats()[W1].malformed == 0
         assert not has(index, 1 << 40)
+
+
+def flood_batches(n: int, per: int, base: int = 1 << 40) -> list[bytes]:
+    """``n`` well-formed batches of ``per`` distinct made-up keys each, no tokens: what a forger sends."""
+    return [encode_batch(EventBatch(1.0, [BlockStored(list(range(base + i * per, base + (i + 1) * per)), None, [], 16,
+                                                       None, "GPU")], 0), "0.33.0") for i in range(n)]
+
+
+def test_a_forged_flood_is_capped_and_the_other_stream_stays_current(caplog: pytest.LogCaptureFixture) -> None:
+    """A forger on engine-0's stream sends 5M keys in 100 well-formed batches of 50k (450 KB,
+    far under MAX_EVENT_BYTES). Engine-0 keeps at most its cap of keys (twice its capacity),
+    the newest, and the drops are counted and logged once; a batch engine-1 publishes while
+    the flood is being applied is applied before the flood is through (one thread serves
+    both streams; how long it waits is benchmarks/bench_flood.py's to measure)."""
+    capacity, n, per = 50_000, 100, 50_000
+    flood = flood_batches(n, per)
+    a, b = EnginePublisher(), EnginePublisher()
+    index = MemoryIndex()
+    index.caps.set_capacity(W0, {"GPU": capacity})
+    registry = CollectorRegistry()
+    sub = FleetSubscriber(index, [spec(a), spec(b, W1)], metrics_registry=registry)
+    sub.start()
+    try:
+        a.wait_subscribed()
+        b.wait_subscribed()
+        for payload in flood:
+            a.publish(payload)
+        wait_for(lambda: (sub.stats()[W0].last_seq or 0) >= 10, "the flood under way")
+        b.publish(stored([7]))
+        wait_for(lambda: index.block_counts(MODEL).get(W1) == 1, "engine-1's batch applied", timeout=30.0)
+        applied_then = sub.stats()[W0].last_seq
+        wait_for(lambda: sub.stats()[W0].batches == n, "the whole flood applied", timeout=120.0)
+        assert applied_then is not None and applied_then < n - 1, applied_then
+        assert index.block_counts(MODEL) == {W0: 2 * capacity, W1: 1}
+        newest = (1 << 40) + n * per - 1
+        assert has(index, newest) and not has(index, 1 << 40)
+        st = sub.stats()[W0]
+        assert st.capped == n * per - 2 * capacity and st.over_cap and st.malformed == 0
+        assert registry.get_sample_value("kvrouter_kv_event_keys_capped_total",
+                                         {"backend": "engine-0", "dp_rank": "0"}) == n * per - 2 * capacity
+        assert registry.get_sample_value("kvrouter_kv_event_keys_capped_total",
+                                         {"backend": "engine-1", "dp_rank": "0"}) is None
+        warned = [r for r in caplog.records if "more keys than the worker's cap" in r.getMessage()]
+        assert len(warned) == 1, "logged once when the worker passed its cap, not once per batch"
+        a.publish(encode_batch(EventBatch(2.0, [AllBlocksCleared()], 0), "0.33.0"))
+        a.publish(stored([8]))
+        wait_for(lambda: has(index, 8), "the worker cleared and storing again")
+        assert index.block_counts(MODEL)[W0] == 1 and not sub.stats()[W0].over_cap
+    finally:
+        sub.stop()
+        a.close()
+        b.close()
+
+
+def test_a_worker_stores_into_at_most_four_tiers() -> None:
+    """Each tier has its own cap, so forged tier names would multiply it: a fifth tier is refused, counted."""
+    media = ["GPU", "CPU", "T3", "T4", "T5", "T6"]
+    events = [BlockStored([100 + i, 200 + i], None, [], 16, None, m) for i, m in enumerate(media)]
+    with two_engines() as (a, _, index, sub):
+        a.publish(encode_batch(EventBatch(1.0, events, 0), "0.33.0"))
+        wait_for(lambda: sub.stats()[W0].batches == 1, "applied")
+        assert index.block_counts(MODEL) == {W0: 8}
+        assert sub.stats()[W0].capped == 4 and sub.stats()[W0].over_cap
+        assert has(index, 103) and not has(index, 104)
+        a.publish(encode_batch(EventBatch(2.0, [AllBlocksCleared(), events[5]], 0), "0.33.0"))
+        wait_for(lambda: has(index, 105), "a cleared worker may name new tiers")
+
+
+def test_an_event_longer_than_the_cap_is_cut_before_it_is_verified() -> None:
+    """Only its first ``cap`` blocks (the head of its chain) can stay in the index, so only
+    those are verified: a forged 200k-block event costs the cap's work, not its own."""
+    hasher = BlockHasher("sha256", 16, "0", "0.33.0")
+    tokens = list(range(16 * 30))
+    keys = hasher.hash_blocks_int64(tokens)
+    pub = EnginePublisher()
+    index = MemoryIndex()
+    index.caps.set_capacity(W0, {"GPU": 5})
+    sub = FleetSubscriber(index, [spec(pub)], verifiers={MODEL: HashVerifier(hasher)})
+    sub.start()
+    try:
+        pub.wait_subscribed()
+        pub.publish(encode_batch(EventBatch(1.0, [BlockStored(keys[:10], None, tokens[:160], 16, None, "GPU")], 0),
+                                 "0.33.0"))
+        pub.publish(encode_batch(EventBatch(1.0, [BlockStored(keys[10:], keys[9], tokens[160:], 16, None, "GPU")], 0),
+                                 "0.33.0"))
+        pub.publish(flood_batches(1, 200_000)[0])
+        wait_for(lambda: sub.stats()[W0].batches == 3, "applied")
+        st = sub.stats()[W0]
+        assert st.verify_match == 20 and st.verify_mismatch == 0, "the cut event's head still chains to its parent"
+        assert st.verify_unverifiable == 10, st
+        assert st.capped == 10 + 10 + 200_000 and index.block_counts(MODEL) == {W0: 10}
+    finally:
+        sub.stop()
+        pub.close()

@@ -11,7 +11,7 @@ import pytest
 
 from indexer.events import BlockRemoved, BlockStored, EventBatch, decode_batch
 from indexer.hashing import BlockHasher, to_int64
-from indexer.index import MemoryIndex, Worker
+from indexer.index import KeyCaps, MemoryIndex, Worker
 from indexer.verify import HashVerifier
 from support import GOLDEN
 
@@ -199,3 +199,20 @@ def test_a_settled_worker_restarted_with_another_seed_is_caught_by_spot_checks()
     assert outcome.mismatch == 4 and outcome.skipped == 0
     assert outcome.mode_changed and verifier.rehash_mode(WORKER)
     assert "hash_seed='7'" in (verifier.diagnosis(WORKER) or "")
+
+
+def test_the_blocks_kept_per_worker_follow_its_key_caps() -> None:
+    """The verifier mirrors the engine's blocks for chaining; past the index's cap for the
+    worker it keeps no more than the index does, oldest out first."""
+    caps = KeyCaps()
+    caps.set_capacity(WORKER, {"GPU": 50, "CPU": 25})
+    verifier = HashVerifier(BlockHasher("sha256", 16, "0", "0.33.0"), caps=caps)
+    for i in range(10):
+        keys = list(range(1000 * i, 1000 * i + 40))
+        verifier.check(WORKER, EventBatch(1.0, [BlockStored(keys, None, [], 16, None, "GPU")], 0))
+    assert len(verifier._workers[WORKER].held) == 100 and 9039 in verifier._workers[WORKER].held
+    verifier.check(WORKER, EventBatch(1.0, [BlockStored([1, 2], None, [], 16, None, "CPU")], 0))
+    assert len(verifier._workers[WORKER].held) == 102, "a second tier adds its cap"
+    caps.set_capacity(WORKER, {"GPU": 10, "CPU": 10})
+    verifier.check(WORKER, EventBatch(1.0, [BlockStored([3], None, [], 16, None, "CPU")], 0))
+    assert len(verifier._workers[WORKER].held) == 40, "a smaller capacity, learned later, shrinks what is kept"

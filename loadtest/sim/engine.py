@@ -132,6 +132,7 @@ class Engine:
         """The step being computed (its work and its end, engine time), None between steps."""
         if metrics is not None:
             metrics.bind(lambda: len(self.running), lambda: len(self.waiting), self.bm.pool.usage)
+            metrics.cache_config(config.num_blocks, config.block_size, hasher.algo)
             if self.bm.cpu is not None:
                 metrics.enable_offload(self.bm.cpu.usage)
 

@@ -6,6 +6,11 @@ so they read the same whatever ``--speedup`` compresses wall time by. Buckets ar
 vLLM's. ``kvrouter_sim:clock_lag_seconds`` is the simulator's own: how far the
 engine's modelled clock fell behind wall time (it should stay near 0).
 
+``vllm:cache_config_info`` is vLLM's info gauge (always 1) whose labels are the engine's
+``CacheConfig``: ``num_gpu_blocks`` and ``block_size`` are what a router reads of the
+engine's KV-cache capacity. ``num_cpu_blocks`` is ``None``, as vLLM reports it when the
+CPU tier is the offloading connector's (the simulator's only kind).
+
 With a CPU offload tier (``--cpu-offload-blocks``) the engine also exports vLLM's
 connector counters ``vllm:external_prefix_cache_queries`` (prompt tokens of every
 admitted request) and ``vllm:external_prefix_cache_hits`` (tokens loaded from the
@@ -82,6 +87,24 @@ class EngineMetrics:
         Gauge(
             "kvrouter_sim:cpu_offload_usage_perc", "CPU offload tier usage. 1 means 100 percent usage.", labels, registry=r,
         ).labels(*values).set_function(cpu_usage)
+
+    def cache_config(self, num_blocks: int, block_size: int, hash_algo: str) -> None:
+        """``vllm:cache_config_info`` as vLLM's ``PrometheusStatLogger.log_metrics_info`` sets it
+        (no ``model_name`` label; the labels are ``CacheConfig``'s fields, the ones shown here,
+        then ``engine``)."""
+        info = {
+            "block_size": str(block_size),
+            "cache_dtype": "auto",
+            "enable_prefix_caching": "True",
+            "gpu_memory_utilization": "0.9",
+            "num_cpu_blocks": "None",
+            "num_gpu_blocks": str(num_blocks),
+            "num_gpu_blocks_override": "None",
+            "prefix_caching_hash_algo": hash_algo,
+            "engine": self._values[1],
+        }
+        Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", list(info),
+              registry=self.registry).labels(**info).set(1)
 
     def bind(self, running: Callable[[], float], waiting: Callable[[], float], kv_usage: Callable[[], float]) -> None:
         self.running.set_function(running)

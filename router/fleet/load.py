@@ -27,18 +27,14 @@ saw a hot prefix's backend twice as full as one process did, and moved its reque
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
-import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
-
-from prometheus_client.parser import text_string_to_metric_families
 
 from router.fleet.log import Changed, Decided, Load, Scraped, Settled
 
 if TYPE_CHECKING:
-    from router.fleet.backends import BackendPool
     from router.fleet.process import FleetLog
 
 log = logging.getLogger(__name__)
@@ -47,8 +43,10 @@ _ZERO = (0, 0, 0, 0, 0)
 _TICKETS = itertools.count(1)
 next_ticket = _TICKETS.__next__
 """A name for a request's ticket, unique in this process (the records that end it give it)."""
-SCRAPED_GAUGES = ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc")
 
+
+Capacity = dict[str, dict[str, int]]
+"""An engine's KV-cache capacity in tokens per tier, by its ``engine`` label (the DP rank; "" when absent)."""
 
 LOAD_FIELDS = ("in_flight", "prefill_tokens", "decode_seqs", "active_blocks", "context_blocks")
 """A backend's load counters, in the order :class:`router.fleet.log.Load` carries them."""
@@ -147,6 +145,7 @@ class BackendLoad(_Figures):
         "scraped_kv_usage",
         "scraped_unseen",
         "scraped_at",
+        "scraped_capacity",
         "prefilling",
         "fleet",
     )
@@ -167,6 +166,8 @@ class BackendLoad(_Figures):
         """Requests the engine reported at the last scrape beyond those every worker and
         replica of this router had in flight on it then (see :meth:`effective_in_flight`)."""
         self.scraped_at: float | None = None
+        self.scraped_capacity: Capacity | None = None
+        """The engine's KV-cache capacity as its last readable scrape said (:func:`router.fleet.scrape.parse_capacity`)."""
         self.prefilling: set[Ticket] = set()
         self.fleet: FleetLog | None = None
         """Where every change goes as a record when the load is shared."""
@@ -342,6 +343,8 @@ class LoadTracker:
         self.fleet: FleetLog | None = None
         self.remote: dict[str, list[int]] = {}
         """The other processes' load by backend, summed (the fleet-state log's fold)."""
+        self.on_capacity: Callable[[str, Capacity], None] | None = None
+        """Told each backend's KV-cache capacity when this process's scrape reads it."""
 
     def share(self, fleet: FleetLog) -> None:
         """Append every change to ``fleet`` and weigh the other processes' load it folds
@@ -405,6 +408,14 @@ class LoadTracker:
             load.scraped_waiting, load.scraped_running, load.scraped_kv_usage = r.waiting, r.running, r.usage
             load.scraped_unseen, load.scraped_at = r.unseen, r.at
 
+    def took_capacity(self, backend: str, capacity: Capacity) -> None:
+        """A scrape read ``backend``'s KV-cache capacity: keep it and pass it on."""
+        load = self.backends.get(backend)
+        if load is not None:
+            load.scraped_capacity = capacity
+            if self.on_capacity is not None:
+                self.on_capacity(backend, capacity)
+
     def by_worker(self, backend: str, worker: int, workers: int) -> list[dict[str, int]]:
         """Each worker's counters for ``backend``, this one's and the others' as folded
         (``/debug/backends``)."""
@@ -424,77 +435,3 @@ class LoadTracker:
             b.in_flight == 0 and b.prefill_tokens == 0 and b.decode_seqs == 0 and not b.block_refs and b.context_blocks == 0
             for b in self.backends.values()
         )
-
-
-def parse_gauges(text: str, names: tuple[str, ...]) -> tuple[dict[str, float], dict[str, int]]:
-    """Sum and count of each named sample over its label sets on a ``/metrics`` page.
-
-    Only the lines of interest go to the Prometheus parser: a vLLM ``/metrics`` page is
-    mostly histogram buckets, and parsing all of it costs milliseconds of CPU per page.
-    """
-    wanted = "\n".join(line for line in text.splitlines() if line.startswith(names) or (
-        line.startswith("# TYPE ") and line[7:].split(" ", 1)[0] in names
-    ))
-    sums: dict[str, float] = {}
-    counts: dict[str, int] = {}
-    for family in text_string_to_metric_families(wanted + "\n"):
-        for sample in family.samples:
-            if sample.name in names:
-                sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
-                counts[sample.name] = counts.get(sample.name, 0) + 1
-    return sums, counts
-
-
-def parse_vllm_metrics(text: str) -> dict[str, float]:
-    """Sum of each scraped gauge over its label sets (one per DP engine / model).
-
-    ``kv_cache_usage_perc`` is averaged over its series instead of summed (it is a
-    fraction per engine).
-    """
-    sums, counts = parse_gauges(text, SCRAPED_GAUGES)
-    usage = "vllm:kv_cache_usage_perc"
-    if usage in sums:
-        sums[usage] /= counts[usage]
-    return sums
-
-
-async def scrape_forever(pool: BackendPool, tracker: LoadTracker, interval_s: float) -> None:
-    """Every ``interval_s``, read each backend's gauges; a failed scrape clears them
-    (stale numbers would keep steering traffic by a picture that is gone).
-
-    Workers of one host scrape once for all: the health leader (worker 0) scrapes and
-    appends what it read to the fleet-state log, the others take it from there (an
-    engine's page costs the router milliseconds to parse, N times over otherwise), and
-    scrape for themselves while the leader is silent."""
-    while True:
-        started = time.monotonic()
-        if not pool.leader and not pool.leader_gone():
-            await asyncio.sleep(interval_s / 4)
-            continue
-        await asyncio.gather(*(_scrape_one(pool, tracker, name) for name in tracker.backends))
-        if pool.workers > 1:
-            tracker.publish_scraped()
-        await asyncio.sleep(max(0.0, interval_s - (time.monotonic() - started)))
-
-
-async def _scrape_one(pool: BackendPool, tracker: LoadTracker, name: str) -> None:
-    load = tracker.backends.get(name)
-    backend = pool.backends.get(name)
-    if load is None or backend is None:  # removed by a config reload
-        return
-    status, body = await backend.poll("/metrics", max(0.5, pool.settings.metrics_scrape_interval_s))
-    values: dict[str, float] = {}
-    if status != 200:
-        log.debug("metrics scrape of %s failed: %s", name, status)
-    else:
-        try:
-            values = parse_vllm_metrics(body.decode("utf-8", "replace"))
-        except Exception as e:  # noqa: BLE001 - a page the Prometheus parser rejects only clears the second signal
-            log.debug("metrics page of %s unreadable: %r", name, e)
-    load.scraped_waiting = values.get("vllm:num_requests_waiting")
-    load.scraped_running = values.get("vllm:num_requests_running")
-    load.scraped_kv_usage = values.get("vllm:kv_cache_usage_perc")
-    load.scraped_at = time.time() if values else None
-    # Against every worker's and replica's requests as of now, the moment the page arrived.
-    seen = tracker.get(name).in_flight
-    load.scraped_unseen = max(0.0, (load.scraped_waiting or 0.0) + (load.scraped_running or 0.0) - seen)
