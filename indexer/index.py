@@ -80,6 +80,10 @@ DEFAULT_CAPACITY_BLOCKS = 1 << 20
 ``vllm:cache_config_info`` does not describe, ``kvrouter indexer``): about a million blocks,
 more than a small model's KV cache on eight H200s, so a real engine never meets the cap,
 while a forged stream costs the index at most ~200 MB per (worker, medium)."""
+EVICT_DRAIN = 4096
+"""Most keys one store evicts beyond those it added: a cap that shrinks under a full worker
+(its engine's capacity read after a flood) drains over later stores, not in one long pass
+that holds the subscriber's thread (or Redis, which uses the same bound)."""
 
 
 class Worker(NamedTuple):
@@ -321,7 +325,7 @@ class _ModelIndex:
                 extra[k] = extra.get(k, 0) + 1
         count = self.counts.get(logkey, 0) + added
         if count > cap:
-            evicted = self._evict(logkey, bit, table, log_, count - cap)
+            evicted = self._evict(logkey, bit, table, log_, min(count - cap, added + EVICT_DRAIN))
             count -= evicted
             dropped += evicted
         self.counts[logkey] = count

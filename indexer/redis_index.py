@@ -27,7 +27,10 @@ one model's keys share a slot and a script may touch all of them):
 A store that leaves a slot with more keys in a medium than its cap (the op carries
 ``caps.cap(worker, medium)``, :class:`indexer.index.KeyCaps`) pops the slot's log from
 its head and clears the bits of the keys still held, until the count is back at the
-cap: each log entry is popped once, so this is O(1) per stored key. The log is in store
+cap: each log entry is popped once, so this is O(1) per stored key. One store evicts at
+most the keys it added plus :data:`_DRAIN`, so a cap that shrinks under a full worker
+(its engine's capacity read after a flood) drains over later stores instead of blocking
+Redis for seconds in one call. The log is in store
 order except for the entries a compaction moved from the head to the tail, so "oldest"
 is approximate after one, which is enough for a cap that only a forged stream or lost
 removals reach.
@@ -80,7 +83,7 @@ from prometheus_client import Counter
 
 from indexer.breaker import Breaker, Open
 from indexer.events import EventBatch
-from indexer.index import DEFAULT_MEDIUM, Hits, KeyCaps, Worker, batch_ops, validate_keys
+from indexer.index import DEFAULT_MEDIUM, EVICT_DRAIN, Hits, KeyCaps, Worker, batch_ops, validate_keys
 
 log = logging.getLogger(__name__)
 
@@ -95,8 +98,9 @@ __all__ = ["RedisIndex"]
 _CHUNK = 2048
 """Keys per command inside the write script: an ``HSET`` of pairs takes twice as many arguments, and Lua's ``unpack`` is bounded (8000 in Redis' Lua)."""
 
-_DRAIN = 4096
-"""Most log keys one write call walks for draining slots, bounding how long it holds Redis (see the benchmark's clear time)."""
+_DRAIN = EVICT_DRAIN
+"""Most log keys one write call walks for draining slots, and evicts past what it stored,
+bounding how long it holds Redis (see the benchmark's clear time)."""
 
 _PAGE = 32
 """Slots per mask hash: Lua's ``bit`` library works on 32-bit ints."""
@@ -318,7 +322,7 @@ local function store(wid, medium, cap, first, last)
   local slot = slot_of(wid, true)
   redis.call('SADD', prefix .. 'm', medium)
   local h, log, extras, b, field = names(slot, medium)
-  local count = 0
+  local count, added = 0, 0
   for a = first, last, chunk do
     local z = math.min(a + chunk - 1, last)
     local had = redis.call('HMGET', h, unpack(ARGV, a, z))
@@ -339,11 +343,12 @@ local function store(wid, medium, cap, first, last)
       redis.call('RPUSH', log, unpack(new))
       write_masks(h, new, cur)
       count = redis.call('HINCRBY', counts, field, #new)
+      added = added + #new
     end
   end
   local evicted = 0
   if count > cap then
-    evicted = evict(h, log, extras, b, count - cap)
+    evicted = evict(h, log, extras, b, math.min(count - cap, added + budget))
     count = redis.call('HINCRBY', counts, field, -evicted)
   end
   if count > 0 then compact(h, log, b, count) end

@@ -13,7 +13,7 @@ from collections.abc import Iterator, Sequence
 import pytest
 
 from indexer.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
-from indexer.index import DEFAULT_CAPACITY_BLOCKS, Hits, InvalidKey, MemoryIndex, Worker, medium_rank
+from indexer.index import DEFAULT_CAPACITY_BLOCKS, EVICT_DRAIN, Hits, InvalidKey, MemoryIndex, Worker, medium_rank
 from indexer.redis_index import RedisIndex
 
 A = Worker("a")
@@ -553,6 +553,21 @@ def test_an_evicted_key_goes_with_all_its_copies(h: Harness) -> None:
     h.index.store(M, A, [1])
     h.index.remove(M, A, [1])
     assert h.lookup([1]) == {}, "the evicted key's copies are gone, not left to outlive a later store"
+
+
+def test_a_cap_that_shrinks_under_a_full_worker_drains_over_later_stores(h: Harness) -> None:
+    """The engine's capacity read after a flood: each store evicts what it added plus at most
+    EVICT_DRAIN more, so no single call (on Redis, one script) walks the whole backlog."""
+    held = 3 * EVICT_DRAIN
+    h.index.store(M, A, list(range(1, held + 1)))
+    h.index.caps.set_capacity(A, {"GPU": 5})
+    assert h.index.apply(M, A, batch(stored([10**9]))) == 1 + EVICT_DRAIN
+    assert h.index.block_counts(M) == {A: held + 1 - (1 + EVICT_DRAIN)}
+    for i in range(1, 4):
+        h.index.apply(M, A, batch(stored([10**9 + i])))
+    assert h.index.block_counts(M) == {A: 10}
+    assert h.lookup([10**9 + 3]) == h.lookup([held]) == {A: {"GPU": 1}}, "the newest keys are kept"
+    assert h.lookup([held - 6]) == {}
 
 
 def test_a_capped_worker_keeps_taking_new_keys_and_clears_whole(h: Harness) -> None:
