@@ -49,7 +49,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address for /health and /metrics")
     parser.add_argument("--port", type=int, default=8090, help="port for /health and /metrics")
     parser.add_argument("--namespace", default=None,
-                        help="Redis key prefix (default: the config's index_namespace, which the routers read)")
+                        help="Redis key prefix (default: the namespace parameter of the config's index URL, which the routers read)")
     parser.add_argument("--dead-grace-s", type=float, default=30.0, help="purge a worker disconnected this long")
     parser.add_argument("--no-verify", action="store_true", help="do not check the engines' block hashes")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -141,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2
-    url = args.redis or (config.index if config.index != "memory" else None)
+    url = args.redis or (config.index_url if config.index != "memory" else None)
     if url is None:
         print(f"{args.config}: give --redis URL (the config's index is 'memory')", file=sys.stderr)
         return 2
@@ -161,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     namespace = args.namespace or config.index_namespace
     if namespace != config.index_namespace:
-        log.warning("--namespace %r is not the config's index_namespace %r: routers reading %s will not see "
+        log.warning("--namespace %r is not the config's namespace %r: routers reading %s will not see "
                     "what this indexer writes", namespace, config.index_namespace, args.config)
     index = RedisIndex(url, namespace=namespace)
     registry = CollectorRegistry()

@@ -482,7 +482,7 @@ async def _scrape_one(pool: BackendPool, tracker: LoadTracker, name: str) -> Non
     backend = pool.backends.get(name)
     if load is None or backend is None:  # removed by a config reload
         return
-    status, body = await backend.poll("/metrics", max(0.5, pool.settings.metrics_scrape_interval_s))
+    status, body = await backend.poll("/metrics", max(0.5, pool.tuning.metrics_scrape_interval_s))
     values: dict[str, float] = {}
     if status != 200:
         log.debug("metrics scrape of %s failed: %s", name, status)
