@@ -13,8 +13,8 @@ with the reason), ``GET /metrics`` (the subscriber's Prometheus series) and
 
 ``/debug/*`` takes the router's admin key, read from the same config file
 (``router.admin_api_key``, or ``KVROUTER_ADMIN_API_KEY``), with the router's rules: with
-an admin key it must be sent (``Authorization: Bearer KEY``); with only a client key
-(``router.api_key``) it is closed (403); with no key at all it is open, for local use.
+an admin key it must be sent (``Authorization: Bearer KEY``); with only client keys
+(``router.api_key``, ``router.tenants``) it is closed (403); with no key at all it is open, for local use.
 ``/health`` and ``/metrics`` stay open, as the router's do. The Redis URL is logged and
 reported with its password shown as ``***``.
 """
@@ -64,7 +64,7 @@ def admin_refusal(keys: RouterSettings, authorization: str | None) -> JSONRespon
     if keys.admin_api_key is not None:
         if not bearer_matches(authorization, keys.admin_api_key.get_secret_value().encode()):
             return _error(401, "Incorrect admin API key provided.", "invalid_api_key")
-    elif keys.api_key is not None:
+    elif keys.api_key is not None or keys.tenants:
         return _error(403, "Admin endpoints are disabled: the config has no admin_api_key.", "admin_disabled")
     return None
 
