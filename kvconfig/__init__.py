@@ -214,12 +214,12 @@ class Tenant(_Strict):
     one is rotated out."""
     requests_per_s: float | None = Field(default=None, gt=0)
     """Requests per second, with bursts of up to one second's worth; one more gets 429 with ``Retry-After``.
-    Each router process (worker or replica) counts on its own. Unset: no limit."""
+    A host's router workers split it; each replica holds all of it. Unset: no limit."""
     prompt_tokens_per_min: int | None = Field(default=None, ge=1)
     """Prompt tokens per minute, with bursts of up to one minute's worth: a request is let through when
     the tenant has that many left (a prompt longer than a minute's worth, when it has the whole minute), its
     count is taken as the router tokenizes it and set right by the engine's ``usage``; over the limit, 429
-    with ``Retry-After``. Each router process counts on its own. Unset: no limit."""
+    with ``Retry-After``. A host's router workers split it; each replica holds all of it. Unset: no limit."""
     client_salt: Literal["replaced", "allowed"] = "replaced"
     """``replaced``: every request gets the tenant's own ``cache_salt``, whatever the client sent.
     ``allowed``: a salt the client sends is kept (for a tenant that partitions its own users' caches),
