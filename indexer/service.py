@@ -13,8 +13,8 @@ with the reason), ``GET /metrics`` (the subscriber's Prometheus series) and
 
 ``/debug/*`` takes the router's admin key, read from the same config file
 (``router.admin_api_key``, or ``KVROUTER_ADMIN_API_KEY``), with the router's rules: with
-an admin key it must be sent (``Authorization: Bearer KEY``); with only a client key
-(``router.api_key``) it is closed (403); with no key at all it is open, for local use.
+an admin key it must be sent (``Authorization: Bearer KEY``); with only client keys
+(``router.api_key``, ``router.tenants``) it is closed (403); with no key at all it is open, for local use.
 ``/health`` and ``/metrics`` stay open, as the router's do. The Redis URL is logged and
 reported with its password shown as ``***``.
 """
@@ -50,7 +50,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address for /health and /metrics")
     parser.add_argument("--port", type=int, default=8090, help="port for /health and /metrics")
     parser.add_argument("--namespace", default=None,
-                        help="Redis key prefix (default: the config's index_namespace, which the routers read)")
+                        help="Redis key prefix (default: the namespace parameter of the config's index URL, which the routers read)")
     parser.add_argument("--dead-grace-s", type=float, default=30.0, help="purge a worker disconnected this long")
     parser.add_argument("--no-verify", action="store_true", help="do not check the engines' block hashes")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -65,7 +65,7 @@ def admin_refusal(keys: RouterSettings, authorization: str | None) -> JSONRespon
     if keys.admin_api_key is not None:
         if not bearer_matches(authorization, keys.admin_api_key.get_secret_value().encode()):
             return _error(401, "Incorrect admin API key provided.", "invalid_api_key")
-    elif keys.api_key is not None:
+    elif keys.api_key is not None or keys.tenants:
         return _error(403, "Admin endpoints are disabled: the config has no admin_api_key.", "admin_disabled")
     return None
 
@@ -142,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2
-    url = args.redis or (config.index if config.index != "memory" else None)
+    url = args.redis or (config.index_url if config.index != "memory" else None)
     if url is None:
         print(f"{args.config}: give --redis URL (the config's index is 'memory')", file=sys.stderr)
         return 2
@@ -163,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     namespace = args.namespace or config.index_namespace
     if namespace != config.index_namespace:
-        log.warning("--namespace %r is not the config's index_namespace %r: routers reading %s will not see "
+        log.warning("--namespace %r is not the config's namespace %r: routers reading %s will not see "
                     "what this indexer writes", namespace, config.index_namespace, args.config)
     index = RedisIndex(url, namespace=namespace, caps=caps)
     registry = CollectorRegistry()

@@ -16,7 +16,7 @@ import logging
 import re
 from pathlib import Path
 from typing import Annotated, Literal
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
@@ -197,6 +197,53 @@ class KvAwareWeights(_Strict):
     a popular system prompt or a few long sessions otherwise gets most of the requests."""
 
 
+TENANT_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+ANONYMOUS = "anonymous"
+"""The tenant ``router.api_key``'s clients are counted as (a name no tenant may take)."""
+
+
+class Tenant(_Strict):
+    """A client of the router with keys of its own (``router.tenants.<name>``): the router
+    identifies it by its key, binds a cache salt to it, so that no other tenant's request
+    can hit its cached prefixes (or learn from its answers' cached tokens that they exist),
+    and holds it to limits of its own."""
+
+    keys: str
+    """Where the tenant's API keys are read at start, never the keys themselves: ``env:VAR`` (an environment
+    variable) or ``file:PATH`` (a mounted secret). Keys are separated by whitespace or lines: several while
+    one is rotated out."""
+    requests_per_s: float | None = Field(default=None, gt=0)
+    """Requests per second, with bursts of up to one second's worth; one more gets 429 with ``Retry-After``.
+    A host's router workers split it; each replica holds all of it. Unset: no limit."""
+    prompt_tokens_per_min: int | None = Field(default=None, ge=1)
+    """Prompt tokens per minute, with bursts of up to one minute's worth: a request is let through when
+    the tenant has that many left (a prompt longer than a minute's worth, when it has the whole minute), its
+    count is taken as the router tokenizes it and set right by the engine's ``usage``; over the limit, 429
+    with ``Retry-After``. A host's router workers split it; each replica holds all of it. Unset: no limit."""
+    client_salt: Literal["replaced", "allowed"] = "replaced"
+    """``replaced``: every request gets the tenant's own ``cache_salt``, whatever the client sent.
+    ``allowed``: a salt the client sends is kept (for a tenant that partitions its own users' caches),
+    and one that sends none gets the tenant's."""
+
+    @field_validator("keys")
+    @classmethod
+    def _a_place_not_a_key(cls, v: str) -> str:
+        if not v.startswith(("env:", "file:")) or not v.partition(":")[2].strip():
+            raise ValueError("keys must be env:VAR or file:PATH, where the keys are (never the keys themselves)")
+        return v
+
+
+MOVED_KEYS = {
+    "connect_timeout_s": "the connect timeout is a lab tuning knob (router/tuning.py, 5 s); "
+                         "router.request_timeout_s still bounds an engine's silence",
+    "metrics_scrape_interval_s": "engines' /metrics are read at the lab tuning knob metrics_scrape_interval_s "
+                                 "(router/tuning.py, 1 s)",
+    "breaker_failures": "the circuit breaker's threshold is a lab tuning knob (router/tuning.py, 5 failures)",
+}
+"""Keys ``router`` no longer takes, and where they went: a file that still sets one is refused
+with that sentence rather than pydantic's bare "extra inputs are not permitted"."""
+
+
 class RouterSettings(_Strict):
     """The router process: where it listens, how it routes, its keys, timeouts and limits."""
 
@@ -213,8 +260,13 @@ class RouterSettings(_Strict):
     """Clients of the OpenAI endpoints send ``Authorization: Bearer KEY``. It does not open
     ``/debug/*`` (see ``admin_api_key``)."""
     admin_api_key: ApiKey | None = None
-    """The key for ``/debug/*`` and, while ``api_key`` is set, ``/metrics`` (Prometheus sends it as its
-    bearer token). Unset while ``api_key`` is set, both are closed (403); with neither key set, everything is open (local use)."""
+    """The key for ``/debug/*`` and, while ``api_key`` or ``tenants`` is set, ``/metrics`` (Prometheus sends it as
+    its bearer token). Unset while ``api_key`` or ``tenants`` is set, both are closed (403); with no key at all,
+    everything is open (local use)."""
+    tenants: dict[str, Tenant] = {}
+    """Named tenants (``router.tenants.<name>``), each with its own keys, cache salt and limits. A request
+    must then carry a tenant's key, or ``api_key``, whose clients are one more tenant without a salt or
+    limits of its own (counted as ``anonymous``)."""
     expose_decision_headers: bool = False
     """Add ``x-kvrouter-reason`` to proxied responses. Off by default: a reason such as
     ``cache_hit`` tells any client whether some prefix (maybe another tenant's) is cached.
@@ -228,22 +280,15 @@ class RouterSettings(_Strict):
     request_timeout_s: float = Field(default=600.0, gt=0)
     """Longest silence from an engine, in seconds, before a request to it fails (a read timeout: a stream that
     keeps sending may last longer)."""
-    connect_timeout_s: float = Field(default=5.0, gt=0)
-    """Longest wait for a connection to an engine, in seconds."""
     retries: int = Field(default=2, ge=0)
     """How many more backends a request may try when one refuses the connection, closes it before answering,
     or answers 502/503; never once a response byte has arrived."""
     health_interval_s: float = Field(default=2.0, gt=0)
     """Seconds between ``GET /health`` checks of each backend: one failure ejects it, one success re-admits
     it."""
-    metrics_scrape_interval_s: float = Field(default=1.0, gt=0)
-    """Seconds between reads of each engine's ``/metrics``: requests there beyond the router's own count
-    (another router's traffic) add to its load."""
     session_header: str = "x-session-id"
     """The request header that names a session for the ``session`` policy (without it, the body's
     ``user``)."""
-    breaker_failures: int = Field(default=5, ge=1)
-    """Consecutive failures of a backend (5xx, resets, timeouts) that open its circuit breaker."""
     drain_timeout_s: float = Field(default=30.0, ge=0)
     """On SIGTERM the router stops accepting connections and lets the requests in flight
     finish for at most this long; a stream still open then ends with an error event
@@ -272,11 +317,32 @@ class RouterSettings(_Strict):
     share it through a Redis URL given here. ``auto``: the index's URL when the index is
     Redis; ``local``: this host's workers only."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_keys(cls, data: object) -> object:
+        if isinstance(data, dict):
+            gone = [k for k in MOVED_KEYS if k in data]
+            if gone:
+                raise ValueError("; ".join(f"router.{k} was removed: {MOVED_KEYS[k]}; delete it from the file"
+                                           for k in gone))
+        return data
+
+    @field_validator("tenants")
+    @classmethod
+    def _tenant_names(cls, v: dict[str, Tenant]) -> dict[str, Tenant]:
+        for name in v:
+            if name == ANONYMOUS or not re.fullmatch(TENANT_NAME, name):
+                raise ValueError(f"tenant name {name!r} must match {TENANT_NAME} and not be {ANONYMOUS!r} "
+                                 "(it labels the tenant's metrics)")
+        return v
+
     @field_validator("fleet_state")
     @classmethod
     def _fleet_state_kind(cls, v: str) -> str:
         if v not in ("auto", "local") and not v.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"fleet_state must be 'auto', 'local' or a Redis URL (redis://host:6379/0), got {redact_url(v)!r}")
+        if _is_redis(v):
+            _namespace_of(v)
         return v
 
 
@@ -287,18 +353,65 @@ class Config(_Strict):
     """The router process: where it listens, how it routes, its keys, timeouts and limits."""
     index: str = "memory"
     """Where the KV-block index lives: ``memory`` (this router's own, fed by the engines' KV events) or a
-    Redis URL (``redis://host:6379/0``) that ``kvrouter indexer`` fills and router replicas share."""
-    index_namespace: str = Field(default="kvr", min_length=1, pattern=r"^[^\n]+$")
-    """The Redis index's key prefix, read by the router and ``kvrouter indexer`` alike: a
-    router reading another namespace than the indexer writes sees no cached block at all.
-    Several fleets (or tests) can share one Redis server under different namespaces."""
+    Redis URL (``redis://host:6379/0``) that ``kvrouter indexer`` fills and router replicas share. The URL's
+    ``namespace`` parameter (``redis://host:6379/0?namespace=fleet-a``; default ``kvr``) prefixes every key
+    the router and ``kvrouter indexer`` read and write, the fleet-state log's too: a router reading another
+    namespace than the indexer writes sees no cached block. Fleets (or tests) can share one Redis server
+    under different namespaces."""
 
     @field_validator("index")
     @classmethod
     def _index_kind(cls, v: str) -> str:
         if v != "memory" and not v.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"index must be 'memory' or a Redis URL (redis://host:6379/0), got {redact_url(v)!r}")
+        if v != "memory":
+            _namespace_of(v)
         return v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _namespace_into_url(cls, data: object) -> object:
+        """``index_namespace`` was a key of its own until the namespace became the Redis URL's
+        ``namespace`` parameter. A file that still sets it keeps working: its value moves into
+        the Redis URL it prefixes (the index's, else ``router.fleet_state``'s)."""
+        if not isinstance(data, dict) or "index_namespace" not in data:
+            return data
+        data = dict(data)
+        ns = data.pop("index_namespace")
+        if not isinstance(ns, str) or not _NAMESPACE.fullmatch(ns):
+            raise ValueError("index_namespace must be a non-empty single line; it is now the index URL's "
+                             "namespace parameter (redis://host:6379/0?namespace=NAME)")
+        log.warning("index_namespace is deprecated: give it as the index URL's namespace parameter "
+                    "(redis://host:6379/0?namespace=%s)", ns)
+        if isinstance(data.get("index"), str) and data["index"] != "memory":
+            data["index"] = with_namespace(data["index"], ns)
+        router = data.get("router")
+        if isinstance(router, dict) and router.get("fleet_state") not in (None, "auto", "local"):
+            data["router"] = {**router, "fleet_state": with_namespace(str(router["fleet_state"]), ns)}
+        return data
+
+    @model_validator(mode="after")
+    def _one_namespace(self) -> "Config":
+        given = {_namespace_of(u)[1] for u in (self.index, self.router.fleet_state) if _is_redis(u)}
+        if len(given) > 1:
+            raise ValueError(f"index and router.fleet_state name two namespaces {sorted(given)}: the fleet-state "
+                             "log shares the index's, so name it once, or name the same one")
+        return self
+
+    @property
+    def index_url(self) -> str:
+        """``index`` without its ``namespace`` parameter (what Redis clients connect to), or ``memory``."""
+        return _namespace_of(self.index)[0] if _is_redis(self.index) else self.index
+
+    @property
+    def index_namespace(self) -> str:
+        """The key prefix of the Redis index and of the fleet-state log (the ``namespace`` URL parameter)."""
+        for url in (self.index, self.router.fleet_state):
+            if _is_redis(url):
+                ns = _namespace_of(url)[1]
+                if ns is not None:
+                    return ns
+        return DEFAULT_NAMESPACE
 
     @model_validator(mode="after")
     def _shared_backends_agree(self) -> "Config":
@@ -328,8 +441,8 @@ class Config(_Strict):
         if v == "local":
             return None
         if v == "auto":
-            return None if self.index == "memory" else self.index
-        return v
+            return None if self.index == "memory" else self.index_url
+        return _namespace_of(v)[0]
 
     def model(self, name: str) -> Model | None:
         """The base model serving ``name`` (a model or one of its LoRA adapters)."""
@@ -359,6 +472,37 @@ def bearer_matches(authorization: str | None, key: bytes) -> bool:
     return hmac.compare_digest(authorization[7:].strip().encode("latin-1"), key)
 
 
+DEFAULT_NAMESPACE = "kvr"
+_NAMESPACE = re.compile(r"[^\n]+")
+
+
+def _is_redis(url: str) -> bool:
+    return url.startswith(("redis://", "rediss://", "unix://"))
+
+
+def _namespace_of(url: str) -> tuple[str, str | None]:
+    """A Redis URL without its ``namespace`` query parameter (redis-py would pass it on to the
+    connection as an unknown argument), and that parameter's value if it has one."""
+    parts = urlsplit(url)
+    pairs = parse_qsl(parts.query, keep_blank_values=True)
+    names = [v for k, v in pairs if k == "namespace"]
+    if not names:
+        return url, None
+    if not _NAMESPACE.fullmatch(names[-1]) or len(names) > 1:
+        raise ValueError(f"the namespace parameter of {redact_url(url)!r} must be given once, non-empty, on one line")
+    return urlunsplit(parts._replace(query=urlencode([(k, v) for k, v in pairs if k != "namespace"]))), names[-1]
+
+
+def with_namespace(url: str, namespace: str) -> str:
+    """``url`` with ``namespace`` as its ``namespace`` parameter (what ``index_namespace`` became)."""
+    bare, given = _namespace_of(url)
+    if given is not None and given != namespace:
+        raise ValueError(f"index_namespace {namespace!r} and the URL's namespace parameter {given!r} disagree")
+    parts = urlsplit(bare)
+    query = "&".join(q for q in (parts.query, urlencode({"namespace": namespace})) if q)
+    return urlunsplit(parts._replace(query=query))
+
+
 class ConfigError(Exception):
     """The config file is missing, not YAML, or names an unknown key or a bad value."""
 
@@ -375,6 +519,11 @@ class KeysFromEnv(BaseSettings):
     """Replaces ``router.admin_api_key``."""
     backend_api_key: SecretStr | None = None
     """The ``api_key`` of every backend that has none in the file."""
+    salt_secret: SecretStr | None = None
+    """The secret the tenants' cache salts are derived from (``router.tenants``). Unset, each tenant's
+    salt is derived from its own keys, so replacing the key that seeds it (its first in sorted order)
+    starts its cache afresh; set, salts outlive key rotations. Every router process and replica must
+    see the same value."""
 
     def apply(self, config: Config) -> None:
         router = config.router

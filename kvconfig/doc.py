@@ -42,6 +42,8 @@ class Key:
     """The model of a key whose value is a table (or a list of tables), documented as its own section."""
     many: bool
     """The value is a list of tables."""
+    named: bool = False
+    """The value is a table of tables, each under a name the file chooses (``router.tenants``)."""
 
     @property
     def path(self) -> str:
@@ -49,8 +51,9 @@ class Key:
 
     @property
     def table_path(self) -> str:
-        """The section of a table key's entries: ``models[]`` for the list ``models``."""
-        return self.path + ("[]" if self.many else "")
+        """The section of a table key's entries: ``models[]`` for the list ``models``,
+        ``router.tenants.<name>`` for the named tables of ``router.tenants``."""
+        return self.path + ("[]" if self.many else ".<name>" if self.named else "")
 
 
 def _unwrap(annotation: Any) -> Any:
@@ -65,9 +68,10 @@ def _key(section: str, name: str, field: FieldInfo) -> Key:
         tables = [a for a in get_args(annotation) if isinstance(a, type) and issubclass(a, BaseModel)]
         annotation = tables[0] if len(tables) == 1 else annotation
     many = get_origin(annotation) is list
-    item = _unwrap(get_args(annotation)[0]) if many else annotation
+    named = get_origin(annotation) is dict
+    item = _unwrap(get_args(annotation)[0]) if many else _unwrap(get_args(annotation)[1]) if named else annotation
     table = item if isinstance(item, type) and issubclass(item, BaseModel) else None
-    return Key(section, name, field, table, many and table is not None)
+    return Key(section, name, field, table, many and table is not None, named and table is not None)
 
 
 def sections(model: type[BaseModel] = Config, prefix: str = "") -> Iterator[tuple[str, type[BaseModel], list[Key]]]:
@@ -119,7 +123,7 @@ def _bounds(field: FieldInfo) -> list[str]:
 
 def _type_cell(key: Key) -> str:
     if key.table is not None:
-        kind = "list of tables" if key.many else "table"
+        kind = "list of tables" if key.many else "tables by name" if key.named else "table"
         return f"{kind}: [`{key.table_path}`](#{_anchor(key.table_path)})"
     return ", ".join([_type_name(key.field.annotation), *_bounds(key.field)])
 

@@ -79,7 +79,7 @@ class Router:
         self.pool = BackendPool(config, t)
         self.loads = LoadTracker(list(self.pool.backends))
         self.loads.on_capacity = self._take_capacity
-        self.index: Index = index if index is not None else make_index(config.index, config.index_namespace)
+        self.index: Index = index if index is not None else make_index(config.index_url, config.index_namespace)
         self.models = Models(config, t)
         # Two workers: tokenization holds the GIL for its Python part (template rendering), so
         # more threads would only contend with the event loop for it.
@@ -164,7 +164,7 @@ class Router:
                 await rt.engines.start()
         self._tasks += [
             asyncio.create_task(self.pool.health_forever(self._forget_backend)),
-            asyncio.create_task(scrape_forever(self.pool, self.loads, self.settings.metrics_scrape_interval_s)),
+            asyncio.create_task(scrape_forever(self.pool, self.loads, self.tuning.metrics_scrape_interval_s)),
             asyncio.create_task(self._discover_max_model_len()),
         ]
         for m in self.config.models:
@@ -468,7 +468,7 @@ def make_index(spec: str, namespace: str) -> Index:
 async def warn_if_unfilled(index: Index, config: Config) -> None:
     """A router reading a Redis index that ``kvrouter indexer`` fills: say at start when
     the namespace holds none of a model's blocks. The indexer may not have started yet, or
-    it writes another ``index_namespace``; in the second case every lookup would miss
+    it writes another namespace (the index URL's ``namespace`` parameter); in the second case every lookup would miss
     without a word, so the warning names the key to compare."""
     models = getattr(index, "models", None)
     if models is None:
@@ -476,10 +476,11 @@ async def warn_if_unfilled(index: Index, config: Config) -> None:
     try:
         written = await asyncio.to_thread(models)
     except Exception as e:  # noqa: BLE001 - Redis may come up after the router; lookups then fall back
-        log.warning("index_namespace %r: cannot read the Redis index at start: %r", config.index_namespace, e)
+        log.warning("namespace %r: cannot read the Redis index at start: %r", config.index_namespace, e)
         return
     missing = [m.name for m in config.models if m.name not in written]
     if missing:
-        log.warning("index_namespace %r holds no blocks of %s yet: check that kvrouter indexer runs with the same "
-                    "config (its --namespace, if given, must equal index_namespace)", config.index_namespace,
+        log.warning("namespace %r holds no blocks of %s yet: check that kvrouter indexer runs with the same "
+                    "config (its --namespace, if given, must equal the index URL's namespace parameter)",
+                    config.index_namespace,
                     ", ".join(missing))

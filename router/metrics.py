@@ -243,7 +243,7 @@ class RouterMetrics:
         )
         self.breaker_verifications = Counter(
             "kvrouter_breaker_verifications",
-            "Failure streaks that reached router.breaker_failures with failures the engine answered itself "
+            "Failure streaks that reached the breaker_failures tuning knob with failures the engine answered itself "
             "(5xx, a stream without [DONE]), by the outcome of the router's own request to it: request_caused "
             "(it served that one: the circuit stays closed) or backend_failing (the circuit opens)",
             ["backend", "outcome"],
@@ -298,6 +298,18 @@ class RouterMetrics:
             "Running share of requests whose predicted cached tokens equal the engine's reported ones, by backend "
             "(about the last 50 requests of this process)",
             ["backend"], registry=registry,
+        )
+        self.tenant_requests = Counter(
+            "kvrouter_tenant_requests",
+            "Requests of each tenant (router.tenants; anonymous: router.api_key's clients) by outcome: admitted, "
+            "or refused with 429 by its requests_per_s or prompt_tokens_per_min limit",
+            ["tenant", "outcome"], registry=registry,
+        )
+        self.tenant_prompt_tokens = Counter(
+            "kvrouter_tenant_prompt_tokens",
+            "Prompt tokens of each tenant's answered requests, by kind: reused (the engine's "
+            "usage.prompt_tokens_details.cached_tokens) or recomputed (the rest)",
+            ["tenant", "kind"], registry=registry,
         )
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self._fleet: list[LiveSeries] = []
@@ -442,3 +454,5 @@ TOKENS = _PROCESS.tokens
 CACHE_PREDICTIONS = _PROCESS.cache_predictions
 CACHE_PREDICTION_ERROR = _PROCESS.cache_prediction_error
 CACHE_AGREEMENT = _PROCESS.cache_agreement
+TENANT_REQUESTS = _PROCESS.tenant_requests
+TENANT_PROMPT_TOKENS = _PROCESS.tenant_prompt_tokens

@@ -77,9 +77,18 @@ class Tuning(BaseModel):
     prefix_max_blocks: int = Field(default=1_000_000, ge=1)
     """Most block keys per model in the router's memory of where it sent each prefix (prefix_approx,
     kv_aware's speculative hits); the oldest go first."""
+    breaker_failures: int = Field(default=5, ge=1)
+    """Consecutive failures of a backend (5xx, resets, timeouts) that open its circuit breaker (once the
+    router's own request to it confirms the backend fails: router/fleet/backends.py)."""
     breaker_cooldown_s: float = Field(default=5.0, gt=0)
     """Seconds an open circuit keeps its backend out, doubling on each re-open up to 60; then one trial
     request decides."""
+    connect_timeout_s: float = Field(default=5.0, gt=0)
+    """Longest wait for a connection to an engine, in seconds (a refused one fails at once and is retried
+    on the next backend)."""
+    metrics_scrape_interval_s: float = Field(default=1.0, gt=0)
+    """Seconds between reads of each engine's ``/metrics``: requests there beyond the router's own count
+    (another router's traffic) add to its load."""
     max_connections_per_backend: int = Field(default=512, ge=1)
     """Most connections open to one engine at once (each request in flight holds one)."""
     subscribe_events: bool | None = None

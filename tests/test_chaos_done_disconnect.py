@@ -60,9 +60,10 @@ def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProc]:
         config = {
             "models": [{"name": MODEL, "tokenizer": str(QWEN3_DIR), "block_size": 16, "max_model_len": 4096,
                         "backends": [{"name": "lingering", "url": engine.url}]}],
-            "router": {"retries": 0, "health_interval_s": 3600, "metrics_scrape_interval_s": 3600, "workers": 1},
+            "router": {"retries": 0, "health_interval_s": 3600, "workers": 1},
         }
-        proc = RouterProc("router", config, tmp_path_factory.mktemp("done-disconnect"), log_level="info")
+        proc = RouterProc("router", config, tmp_path_factory.mktemp("done-disconnect"), log_level="info",
+                      tuning={"metrics_scrape_interval_s": 3600})
         try:
             yield proc
         finally:

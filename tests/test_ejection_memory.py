@@ -95,9 +95,9 @@ def test_ejection_and_resync_cycles_leave_router_memory_flat(tmp_path: Path) -> 
             "models": [{"name": MODEL, "tokenizer": str(QWEN3_DIR), "block_size": 16, "max_model_len": 4096,
                         "backends": [{"name": "engine-0", "url": engine.url, "kv_events": pub.endpoint,
                                       "kv_replay": pub.replay_endpoint}]}],
-            "router": {"health_interval_s": 0.5, "metrics_scrape_interval_s": 3600},
+            "router": {"health_interval_s": 0.5},
         }
-        router = RouterProc("router", config, tmp_path, log_level="info")
+        router = RouterProc("router", config, tmp_path, log_level="info", tuning={"metrics_scrape_interval_s": 3600})
         client = httpx.Client(timeout=10.0)
 
         def backend() -> dict[str, Any]:

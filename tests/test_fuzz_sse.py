@@ -126,10 +126,10 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
             "models": [{"name": MODEL, "tokenizer": str(QWEN3_DIR), "block_size": 16, "max_model_len": 4096,
                         "backends": [{"name": "scripted", "url": engine.url}]}],
             # One health check at start, no circuit breaker: every script reaches the engine.
-            "router": {"retries": 0, "request_timeout_s": READ_TIMEOUT_S, "health_interval_s": 3600,
-                       "metrics_scrape_interval_s": 3600, "breaker_failures": 1_000_000_000},
+            "router": {"retries": 0, "request_timeout_s": READ_TIMEOUT_S, "health_interval_s": 3600},
         }
-        router = RouterProc("router", config, tmp_path_factory.mktemp("fuzz-sse"), log_level="info")
+        router = RouterProc("router", config, tmp_path_factory.mktemp("fuzz-sse"), log_level="info",
+                            tuning={"metrics_scrape_interval_s": 3600, "breaker_failures": 1_000_000_000})
         try:
             yield Fleet(engine, router)
         finally:

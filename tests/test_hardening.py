@@ -110,8 +110,12 @@ def config(backends: list[dict[str, Any]], models: dict[str, list[str]] | None =
             for m, names in models.items()
         ],
         # One health check, at start: a backend the test takes down stays routable until a request finds it gone.
-        "router": {"health_interval_s": 3600, "metrics_scrape_interval_s": 3600, "retries": 0, **router},
+        "router": {"health_interval_s": 3600, "retries": 0, **router},
     }
+
+
+QUIET = {"metrics_scrape_interval_s": 3600}
+"""No engine scrapes, as no health checks after the first."""
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +135,7 @@ def doomed() -> Iterator[EchoEngine]:
 def secured(engine: EchoEngine, doomed: EchoEngine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProc]:
     backends = [{"name": "echo", "url": engine.url, "api_key": ENGINE_KEY}, {"name": "doomed", "url": doomed.url}]
     cfg = config(backends, {MODEL: ["echo"], "gone": ["doomed"]}, api_key=CLIENT_KEY, admin_api_key=ADMIN_KEY)
-    r = RouterProc("secured", cfg, tmp_path_factory.mktemp("secured"))
+    r = RouterProc("secured", cfg, tmp_path_factory.mktemp("secured"), tuning=QUIET)
     yield r
     r.stop()
 
@@ -139,7 +143,7 @@ def secured(engine: EchoEngine, doomed: EchoEngine, tmp_path_factory: pytest.Tem
 @pytest.fixture(scope="module")
 def env_keyed(engine: EchoEngine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProc]:
     env = {"KVROUTER_API_KEY": ENV_CLIENT_KEY, "KVROUTER_BACKEND_API_KEY": ENV_ENGINE_KEY, "KVROUTER_ADMIN_API_KEY": ""}
-    r = RouterProc("env", config([{"name": "echo", "url": engine.url}]), tmp_path_factory.mktemp("env"), env=env)
+    r = RouterProc("env", config([{"name": "echo", "url": engine.url}]), tmp_path_factory.mktemp("env"), env=env, tuning=QUIET)
     yield r
     r.stop()
 
@@ -147,7 +151,7 @@ def env_keyed(engine: EchoEngine, tmp_path_factory: pytest.TempPathFactory) -> I
 @pytest.fixture(scope="module")
 def open_fleet(engine: EchoEngine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProc]:
     cfg = config([{"name": "echo", "url": engine.url}], expose_decision_headers=True, forward_client_authorization=True)
-    r = RouterProc("open", cfg, tmp_path_factory.mktemp("open"))
+    r = RouterProc("open", cfg, tmp_path_factory.mktemp("open"), tuning=QUIET)
     yield r
     r.stop()
 
@@ -398,7 +402,7 @@ def test_a_cookie_an_engine_sets_is_never_sent_with_another_clients_request(engi
     named by host name here: aiohttp's default jar ignores cookies from IP addresses, so a
     jar would hide behind 127.0.0.1 and store this one."""
     by_name = engine.url.replace("127.0.0.1", "localhost")
-    router = RouterProc("cookies", config([{"name": "echo", "url": by_name}]), tmp_path)
+    router = RouterProc("cookies", config([{"name": "echo", "url": by_name}]), tmp_path, tuning=QUIET)
     try:
         first, _ = completion(router.url)  # answered with Set-Cookie
         assert first.status_code == 200

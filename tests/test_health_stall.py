@@ -105,9 +105,9 @@ def fleet(tmp_path: Path) -> Iterator[Fleet]:
             "models": [{"name": MODEL, "tokenizer": str(QWEN3_DIR), "block_size": 16, "max_model_len": 4096,
                         "backends": [{"name": f"engine-{i}", "url": e.url, "kv_events": p.endpoint,
                                       "kv_replay": p.replay_endpoint} for i, (e, p) in enumerate(zip(engines, pubs))]}],
-            "router": {"health_interval_s": INTERVAL_S, "metrics_scrape_interval_s": 3600},
+            "router": {"health_interval_s": INTERVAL_S},
         }
-        router = RouterProc("router", config, tmp_path, log_level="info")
+        router = RouterProc("router", config, tmp_path, log_level="info", tuning={"metrics_scrape_interval_s": 3600})
         f = Fleet(router, engines, httpx.Client(timeout=10.0))
         try:
             for i, pub in enumerate(pubs):

@@ -128,7 +128,7 @@ def test_a_router_warns_at_start_when_its_namespace_holds_none_of_its_models(
     try:
         with caplog.at_level(logging.WARNING, logger="router.core"):
             asyncio.run(warn_if_unfilled(index, config))
-        assert f"index_namespace {namespace!r} holds no blocks of {MODEL}" in caplog.text
+        assert f"namespace {namespace!r} holds no blocks of {MODEL}" in caplog.text
         caplog.clear()
         index.store(MODEL, Worker("engine-0", 0), [1, 2])
         with caplog.at_level(logging.WARNING, logger="router.core"):

@@ -150,7 +150,7 @@ def _config(sim: Any) -> dict[str, Any]:
     return {"models": [{"name": MODEL, "tokenizer": str(QWEN3_DIR), "block_size": 16, "hash_seed": "0",
                         "backends": backends}],
             "router": {"policy": "kv_aware", "health_interval_s": 0.5, "queue_busy_tokens": 1,
-                       "queue_max_waiting": 2, "queue_timeout_s": 5, "breaker_failures": 100}}
+                       "queue_max_waiting": 2, "queue_timeout_s": 5}}
 
 
 def _chat(i: int, stream: bool, words: int = 40) -> dict[str, Any]:
@@ -244,7 +244,7 @@ def test_the_dashboard_reads_its_data_source_from_a_variable() -> None:
 def test_every_dashboard_query_and_alert_signal_returns_data(sim_fleet: Any, tmp_path: Path) -> None:
     _tool("prometheus")
     sim = sim_fleet("--hash-seed", "0", instances=2)
-    router = RouterProc("router", _config(sim), tmp_path)
+    router = RouterProc("router", _config(sim), tmp_path, tuning={"breaker_failures": 100})
     prom: Prometheus | None = None
     try:
         prom = Prometheus(tmp_path, f"127.0.0.1:{router.port}")

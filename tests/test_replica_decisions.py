@@ -233,8 +233,7 @@ def test_requests_reaching_3_replicas_at_once_are_spread_as_one_process_spreads_
     config = replica_config(sim, redis_url, shared=True, events=False)
     # No engine scrapes: one taken mid-burst leaves a replica counting the others' requests
     # twice (as unseen by it) until the next, a different view of the next burst's start.
-    config["router"]["metrics_scrape_interval_s"] = 3600
-    replicas = start(config, tmp_path, 3, "seq")
+    replicas = start(config, tmp_path, 3, "seq", {"metrics_scrape_interval_s": 3600})
     try:
         urls = [r.url for r in replicas]
         spreads = []

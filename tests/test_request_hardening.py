@@ -76,10 +76,11 @@ def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProc]:
         config = {
             "models": [{"name": MODEL, "tokenizer": str(QWEN3_DIR), "block_size": 16,
                         "backends": [{"name": "only", "url": engine.url}]}],
-            "router": {"api_key": KEY, "admin_api_key": ADMIN, "retries": 0, "breaker_failures": 1000,
+            "router": {"api_key": KEY, "admin_api_key": ADMIN, "retries": 0,
                        "max_body_bytes": 1 << 19},  # answers up to twice that, 1 MiB
         }
-        r = RouterProc("router", config, tmp_path_factory.mktemp("requests"), log_level="info")
+        r = RouterProc("router", config, tmp_path_factory.mktemp("requests"), log_level="info",
+                       tuning={"breaker_failures": 1000})
         try:
             yield r
         finally:
@@ -174,9 +175,9 @@ def test_request_caused_500s_do_not_open_a_circuit_but_a_failing_backend_still_d
         config = {
             "models": [{"name": MODEL, "tokenizer": str(QWEN3_DIR), "block_size": 16,
                         "backends": [{"name": "a", "url": engine.url}, {"name": "b", "url": engine.url}]}],
-            "router": {"retries": 0, "breaker_failures": 3, "policy": "round_robin"},
+            "router": {"retries": 0, "policy": "round_robin"},
         }
-        router = RouterProc("breaker", config, tmp_path, log_level="info", tuning={"breaker_cooldown_s": 30})
+        router = RouterProc("breaker", config, tmp_path, log_level="info", tuning={"breaker_cooldown_s": 30, "breaker_failures": 3})
         try:
             for i in range(12):
                 r = httpx.post(router.url + "/v1/completions", json={"model": MODEL, "prompt": f"boom {i}"}, timeout=30)

@@ -766,8 +766,8 @@ def test_a_dead_backend_is_retried_ejected_and_readmitted(fleet: dict[str, Any])
 
 def test_circuit_breaker_opens_on_repeated_5xx_and_closes_after_cooldown(fleet: dict[str, Any]) -> None:
     # A cooldown far longer than the 24 requests take: the circuit must still be open when they end.
-    cfg = fleet_config(fleet, policy="round_robin", breaker_failures=3)
-    with InProcessRouter(cfg) as r:
+    cfg = fleet_config(fleet, policy="round_robin")
+    with InProcessRouter(cfg, Tuning(breaker_failures=3)) as r:
         fault(fleet, 1, error_rate=1.0)
         try:
             statuses = Counter(

@@ -84,8 +84,8 @@ def test_scrape_adds_only_the_requests_the_router_did_not_send(tmp_path: Any) ->
         config = {"models": [{"name": MODEL, "tokenizer": str(QWEN3_DIR), "block_size": 16, "hash_algo": "sha256",
                               "hash_seed": "0", "vllm_version": "0.33.0",
                               "backends": [{"name": "a", "url": engine.url}]}],
-                  "router": {"workers": 1, "metrics_scrape_interval_s": 0.2, "health_interval_s": 0.5}}
-        router = RouterProc("router", config, tmp_path)
+                  "router": {"workers": 1, "health_interval_s": 0.5}}
+        router = RouterProc("router", config, tmp_path, tuning={"metrics_scrape_interval_s": 0.2})
         client = httpx.Client(timeout=30)
         try:
             engine.others = 5

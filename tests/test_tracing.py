@@ -30,6 +30,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 from router.http import tracing
+from router.tuning import Tuning
 from support import KVROUTER, QWEN3_DIR, REPO, LoopbackEngine, RouterProc, free_port
 from test_request_observability import sim_config
 from test_router_e2e import InProcessRouter
@@ -49,7 +50,7 @@ class TracedRouter(InProcessRouter):
         self.spans = InMemorySpanExporter()
         provider = TracerProvider()
         provider.add_span_processor(SimpleSpanProcessor(self.spans))
-        super().__init__(config, tracer=provider.get_tracer("test"))
+        super().__init__(config, Tuning(**QUIET), tracer=provider.get_tracer("test"))
 
     def trace_of(self, request_id: str, stages: int = 3, timeout: float = 10.0) -> tuple[ReadableSpan, list[ReadableSpan]]:
         """The request span of ``request_id`` and its children, once all have ended (the
@@ -159,7 +160,11 @@ def header_engine() -> Iterator[HeaderEngine]:
 def engine_config(url: str) -> dict[str, Any]:
     return {"models": [{"name": MODEL, "tokenizer": str(QWEN3_DIR), "block_size": 16, "hash_seed": "0",
                         "backends": [{"name": "loop", "url": url}]}],
-            "router": {"health_interval_s": 3600, "metrics_scrape_interval_s": 3600, "retries": 0}}
+            "router": {"health_interval_s": 3600, "retries": 0}}
+
+
+QUIET = {"metrics_scrape_interval_s": 3600}
+"""No engine scrapes: the tests count the requests the engine sees."""
 
 
 def test_the_engine_gets_the_routers_span_as_its_parent(header_engine: HeaderEngine) -> None:
@@ -280,7 +285,7 @@ def test_a_router_that_does_not_trace_imports_nothing_of_opentelemetry(header_en
     env = {"PYTHONPATH": f"{site}{os.pathsep}{REPO}", "KVR_MODULES_OUT": str(out), "KVR_REPO": str(REPO),
            "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9", **({"OTEL_TRACES_EXPORTER": "console"} if traced else {})}
     router = RouterProc("untraced", engine_config(header_engine.url), tmp_path, env=env, log_level="info",
-                        extra_args=["--workers", "1"])
+                        extra_args=["--workers", "1"], tuning=QUIET)
     rid = f"traced-{traced}"
     try:
         r = httpx.post(router.url + "/v1/chat/completions", headers={"x-request-id": rid, "traceparent": CLIENT_PARENT},
@@ -310,7 +315,7 @@ def test_each_worker_exports_its_own_spans(header_engine: HeaderEngine, tmp_path
         monkeypatch.delenv(name, raising=False)
     env = {"OTEL_TRACES_EXPORTER": "console", "OTEL_BSP_SCHEDULE_DELAY": "60000"}
     router = RouterProc("workers", engine_config(header_engine.url), tmp_path, env=env, log_level="info",
-                        extra_args=["--workers", "2"])
+                        extra_args=["--workers", "2"], tuning=QUIET)
     rids = [f"w-{i}" for i in range(16)]
     try:
         for rid in rids:  # a connection each: SO_REUSEPORT spreads them over the workers

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import os
 import random
 import signal
@@ -36,13 +37,14 @@ COMMON = {"tokenizer": str(QWEN3_DIR), "block_size": 16, "hash_algo": "sha256", 
 class Router:
     """``kvrouter serve --workers N`` on a free port; ready once every worker answers."""
 
-    def __init__(self, config: dict[str, Any], tmp: Path, name: str = "router", workers: int = 2) -> None:
+    def __init__(self, config: dict[str, Any], tmp: Path, name: str = "router", workers: int = 2,
+                 tuning: dict[str, Any] | None = None) -> None:
         self.port = free_port()
         self.workers = workers
         self.path = tmp / f"{name}.yaml"
         self.write(config)
         args = KVROUTER + ["serve", "--config", str(self.path), "--port", str(self.port), "--log-level", "info",
-                           "--workers", str(workers)]
+                           "--workers", str(workers)] + (["--tuning", json.dumps(tuning)] if tuning else [])
         self.proc = Proc(args, tmp / f"{name}.log")
         wait_http(self.url + "/health", timeout=120, proc=self.proc.popen)
         if workers > 1:
@@ -293,8 +295,8 @@ def test_one_health_decision_per_backend(tmp_path: Path) -> None:
     The engines' /metrics are scraped once per interval too, and every worker sees them."""
     with CountingEngine() as a, CountingEngine() as b:
         config = {"models": [model({"name": "a", "url": a.url}, {"name": "b", "url": b.url})],
-                  "router": {"health_interval_s": 0.5, "metrics_scrape_interval_s": 0.5}}
-        router = Router(config, tmp_path)
+                  "router": {"health_interval_s": 0.5}}
+        router = Router(config, tmp_path, tuning={"metrics_scrape_interval_s": 0.5})
         try:
             before, scraped, t0 = a.checks, a.scrapes, time.monotonic()
             time.sleep(4.0)

@@ -7,7 +7,7 @@ open. Two signals feed that:
   the backend, one success re-admits it;
 - the proxy reports every upstream outcome: a connect error ejects at once (the
   process is gone; waiting for the next check would send it more requests), and
-  ``breaker_failures`` consecutive failures (5xx, resets, timeouts) open the circuit
+  ``Tuning.breaker_failures`` (5) consecutive failures (5xx, resets, timeouts) open the circuit
   for ``Tuning.breaker_cooldown_s`` (5 s), doubling on each re-open up to 60 s. After the cooldown
   the circuit is half-open: the next request is a trial and its success closes it.
 
@@ -144,7 +144,7 @@ class BackendState:
         self.session = aiohttp.ClientSession(
             base_url=self.url,
             connector=aiohttp.TCPConnector(limit=self.tuning.max_connections_per_backend, keepalive_timeout=30.0),
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=s.connect_timeout_s, sock_read=s.request_timeout_s),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.tuning.connect_timeout_s, sock_read=s.request_timeout_s),
             auto_decompress=False,
             skip_auto_headers=("Accept-Encoding", "User-Agent"),
             headers=self.config.auth_headers(),
@@ -196,7 +196,7 @@ class BackendState:
             self.answered_model = answered
         if connect_error:
             self.eject(reason, refused=True)
-        if self.consecutive_failures < self.settings.breaker_failures or self.circuit_open:
+        if self.consecutive_failures < self.tuning.breaker_failures or self.circuit_open:
             return
         if self.answered_model is None:
             self._open(reason)

@@ -1,6 +1,6 @@
 """The engines' ``/metrics`` scrape: the queue gauges the load weighs, and the KV-cache capacity the index's caps use.
 
-Every ``metrics_scrape_interval_s`` each backend's page is read (:func:`scrape_forever`).
+Every ``Tuning.metrics_scrape_interval_s`` (1 s) each backend's page is read (:func:`scrape_forever`).
 The gauges go to its :class:`router.fleet.load.BackendLoad`; the capacity, read off
 vLLM's ``vllm:cache_config_info``, goes to :meth:`LoadTracker.took_capacity`, which
 hands it to the index (:class:`indexer.index.KeyCaps`). A failed scrape clears the
@@ -99,7 +99,7 @@ async def _scrape_one(pool: BackendPool, tracker: LoadTracker, name: str, *, cap
     backend = pool.backends.get(name)
     if load is None or backend is None:  # removed by a config reload
         return
-    status, body = await backend.poll("/metrics", max(0.5, pool.settings.metrics_scrape_interval_s))
+    status, body = await backend.poll("/metrics", max(0.5, pool.tuning.metrics_scrape_interval_s))
     values: dict[str, float] = {}
     capacity: Capacity = {}
     if status != 200:

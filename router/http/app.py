@@ -26,7 +26,7 @@ from starlette.responses import Response
 from indexer.index import Index
 from router import metrics
 from router.http.auth import Access
-from kvconfig import Config
+from kvconfig import Config, KeysFromEnv
 from router.core import Router
 from router.http import observe
 from router.http.dispatch import Endpoints
@@ -36,6 +36,7 @@ from router.http.responses import LEAST_LOADED, ResponseIds, ResponseMemory, Rou
 from router.http.sse import ANTHROPIC, OPENAI, RESPONSES, Dialect
 from router.parse import json_response, parse_body, read_body
 from router.http.proxy import ProxyResponse, Upstream, forwarded_headers
+from router.http.tenants import Tenant, Tenants, salted
 from router.tuning import Tuning
 
 if TYPE_CHECKING:
@@ -53,8 +54,10 @@ def create_app(config: Config, index: Index | None = None, tuning: Tuning | None
     calls :class:`Handlers`' methods straight for the routes of :data:`ROUTES`. With a
     ``tracer`` (:func:`router.http.tracing.start`) every request but a probe gets its spans;
     without one nothing of OpenTelemetry is imported."""
+    secret = KeysFromEnv().salt_secret
+    tenants = Tenants(config.router, secret if secret is not None and secret.get_secret_value() else None)
     router = Router(config, index, tuning)
-    handlers = Handlers(router, Access(config.router))
+    handlers = Handlers(router, Access(config.router, tenants))
     if handlers.access.admin_same_as_client:
         log.warning("router.admin_api_key equals router.api_key: every client can call /debug/*")
 
@@ -132,14 +135,42 @@ class Handlers:
         passed = headers.get("authorization") if self.settings.forward_client_authorization else None
         return forwarded_headers(headers), passed
 
+    def tenant(self, request: Request, prompt_follows: bool = False) -> Tenant | None:
+        """Access, and the request's tenant held to its request rate and noted for its
+        answer's usage (:mod:`router.http.tenants`); ``prompt_follows``: its prompt tokens are
+        taken once counted (:meth:`take_prompt`), and it is admitted then."""
+        tenant = self.access.client(request.headers)
+        if tenant is not None:
+            Tenants.admit(tenant, self.share())
+            if (note := observe.current()) is not None:
+                note.tenant = tenant
+            if not prompt_follows:
+                Tenants.admitted(tenant)
+        return tenant
+
+    def share(self) -> float:
+        """This process's part of a tenant's limits: 1 / the host's router workers."""
+        ring = self.router.ring
+        return 1.0 / ring.n_workers if ring is not None else 1.0
+
+    def take_prompt(self, tenant: Tenant, tokens: int) -> None:
+        Tenants.admit_prompt(tenant, tokens, self.share())
+        if (note := observe.current()) is not None:
+            note.charged = tokens
+        Tenants.admitted(tenant)
+
     async def openai(self, request: Request, kind: str, path: str) -> Response:
-        """The request path, every stage (:mod:`router.request_path`)."""
-        self.access.client(request.headers)
+        """The request path, every stage (:mod:`router.request_path`), on the body with its
+        tenant's ``cache_salt``: the blocks are hashed as the engine will hash them."""
+        tenant = self.tenant(request, prompt_follows=True)
         forwarded, client_auth = self.upstream_headers(request)
         raw, body, started = await self.read_json(request)
+        raw = salted(tenant, raw, body)
         path_ = self.router.path
         decided = await path_.decide(body, len(raw), kind, request.headers, act=True, disconnected=request.receive)
         try:
+            if tenant is not None:
+                self.take_prompt(tenant, decided.ctx.num_tokens)
             await path_.order(decided)
             return path_.send(decided, path, raw, forwarded, client_auth, started)
         finally:
@@ -151,12 +182,15 @@ class Handlers:
     async def completions(self, request: Request) -> Response:
         return await self.openai(request, "completion", "/v1/completions")
 
-    async def passthrough(self, request: Request, path: str, streams: Dialect | None = None) -> Response:
+    async def passthrough(self, request: Request, path: str, streams: Dialect | None = None, salt: bool = False) -> Response:
         """Routed on load alone, least loaded first (no prompt to hash); ``streams``: the
-        endpoint streams (``stream: true``) in that dialect."""
-        self.access.client(request.headers)
+        endpoint streams (``stream: true``) in that dialect; ``salt``: its prompt is cached,
+        so it gets its tenant's ``cache_salt``."""
+        tenant = self.tenant(request)
         forwarded, client_auth = self.upstream_headers(request)
         raw, body, started = await self.read_json(request)
+        if salt:
+            raw = salted(tenant, raw, body)
         rt, order = self.router.pick_any(body)
         stream = streams is not None and body.get("stream") is True
         return self.relay(Upstream(path, raw, forwarded, order, rt.name, "passthrough", started, stream=stream,
@@ -187,9 +221,10 @@ class Handlers:
     async def responses(self, request: Request) -> Response:
         """``POST /v1/responses``: a follow-up (``previous_response_id``) to the engine that made
         the response it names, anything else least loaded (:mod:`router.http.responses`)."""
-        self.access.client(request.headers)
+        tenant = self.tenant(request)
         forwarded, client_auth = self.upstream_headers(request)
         raw, body, started = await self.read_json(request)
+        raw = salted(tenant, raw, body)
         rt, least = self.router.pick_any(body)
         previous = body.get("previous_response_id")
         if previous is not None and not isinstance(previous, str):
@@ -210,7 +245,7 @@ class Handlers:
         """``GET /v1/responses/{id}`` (its query, ``stream`` and ``starting_after``, passed on)
         and ``POST /v1/responses/{id}/cancel``: to the engine that made the response, which
         alone holds it; one this process does not remember is searched for among every backend."""
-        self.access.client(request.headers)
+        self.tenant(request)
         if self.router.draining:
             raise ShuttingDown("the router is shutting down; send the request to another replica")
         response_id = request.scope["path"].removeprefix("/v1/responses/").removesuffix(action)
@@ -242,7 +277,7 @@ class Handlers:
         it exactly means reproducing that conversion for each vLLM version and checking it
         against real engines, as chat rendering is; a cheap approximation would predict cache
         hits the engines do not have."""
-        return await self.passthrough(request, "/v1/messages", ANTHROPIC)
+        return await self.passthrough(request, "/v1/messages", ANTHROPIC, salt=True)
 
     async def embeddings(self, request: Request) -> Response:
         return await self.passthrough(request, "/v1/embeddings")
@@ -254,7 +289,7 @@ class Handlers:
         return await self.passthrough(request, "/detokenize")
 
     async def models(self, request: Request) -> Response:
-        self.access.client(request.headers)
+        self.tenant(request)
         return json_response({"object": "list", "data": self._model_entries()})
 
     def _model_entries(self) -> list[dict[str, Any]]:
@@ -269,7 +304,7 @@ class Handlers:
 
     async def model(self, request: Request) -> Response:
         """``GET /v1/models/{id}``: one entry of :meth:`models` (the openai SDK's ``models.retrieve``)."""
-        self.access.client(request.headers)
+        self.tenant(request)
         wanted = request.path_params["model_id"]
         for entry in self._model_entries():
             if entry["id"] == wanted:

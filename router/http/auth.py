@@ -18,6 +18,10 @@ cached (Prometheus scrapes it with the admin key as its bearer token). ``/health
 
 Keys are compared with :func:`hmac.compare_digest` over bytes, so the time taken does not
 depend on how many leading characters of a guess were right.
+
+With ``router.tenants``, a tenant's key opens the OpenAI endpoints too, and the request is
+that tenant's (:mod:`router.http.tenants`); without ``api_key`` nothing else does. Tenants
+count as a client key for ``/debug/*`` and ``/metrics``: closed without an admin key.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from pydantic import SecretStr
 from kvconfig import bearer_matches
 from kvconfig import RouterSettings
 from router.http.errors import BadRequest, Forbidden, Unauthorized
+from router.http.tenants import Tenant, Tenants
 
 
 def _secret(key: SecretStr | None) -> bytes | None:
@@ -49,21 +54,31 @@ def _one_authorization(headers: Mapping[str, str]) -> None:
 
 
 class Access:
-    """The router's two keys (see the module docstring for what each one opens)."""
+    """The router's two keys and its tenants' (see the module docstring for what each one opens)."""
 
-    def __init__(self, settings: RouterSettings) -> None:
+    def __init__(self, settings: RouterSettings, tenants: Tenants | None = None) -> None:
         self._client = _secret(settings.api_key)
         self._admin = _secret(settings.admin_api_key)
+        self.tenants = tenants if tenants is not None and tenants.keys else None
 
     @property
     def admin_same_as_client(self) -> bool:
         return self._admin is not None and self._client is not None and hmac.compare_digest(self._admin, self._client)
 
-    def client(self, headers: Mapping[str, str]) -> None:
-        """Raise :class:`Unauthorized` unless the OpenAI endpoints are open to this request."""
+    def client(self, headers: Mapping[str, str]) -> Tenant | None:
+        """Raise :class:`Unauthorized` unless the OpenAI endpoints are open to this request;
+        the tenant it is (``anonymous`` for ``api_key``), or None without tenants."""
         _one_authorization(headers)
+        if self.tenants is not None:
+            tenant = self.tenants.identify(headers.get("authorization"))
+            if tenant is None and self._client is not None and _matches(headers, self._client):
+                tenant = self.tenants.anonymous
+            if tenant is None:
+                raise Unauthorized("Incorrect API key provided.")
+            return tenant
         if self._client is not None and not _matches(headers, self._client):
             raise Unauthorized("Incorrect API key provided.")
+        return None
 
     def admin(self, headers: Mapping[str, str], what: str = "Admin endpoints are") -> None:
         """Raise unless ``/debug/*`` (and ``/metrics``) is open to this request."""
@@ -71,5 +86,5 @@ class Access:
         if self._admin is not None:
             if not _matches(headers, self._admin):
                 raise Unauthorized("Incorrect admin API key provided.")
-        elif self._client is not None:
+        elif self._client is not None or self.tenants is not None:
             raise Forbidden(f"{what} disabled: the router has no admin_api_key.")

@@ -93,6 +93,13 @@ class Overloaded(RouterError):
         self.headers = {"Retry-After": str(retry_after_s)}
 
 
+class RateLimited(Overloaded):
+    """A tenant went over one of its own limits (``router.tenants.<name>``): try again after
+    ``Retry-After`` seconds."""
+
+    code = "rate_limit_exceeded"
+
+
 class ClientClosed(RouterError):
     """The client went away before the router sent its request on (nginx's 499): the
     answer reaches nobody, and nothing is logged as an error."""

@@ -28,6 +28,8 @@ byte to the client:
 
 The request path adds what only it knows (model, decision reason, predicted cached tokens)
 through :func:`current`, a context variable: the proxy runs in the request's own task.
+With ``router.tenants`` the request's tenant is noted too, and its answer's usage counts
+the tenant's reused and recomputed prompt tokens (:func:`router.http.tenants.used`).
 With tracing on, each request is a :class:`router.http.spans.Traced` instead, which also
 makes its OpenTelemetry spans (:mod:`router.http.tracing`).
 """
@@ -45,6 +47,7 @@ import msgspec
 from starlette.types import Message, Scope, Send
 
 from router import metrics
+from router.http.tenants import Tenant, used
 
 access_log = logging.getLogger("kvrouter.access")
 log = logging.getLogger(__name__)
@@ -151,7 +154,7 @@ class Observed:
     """One request's answer as it goes out (see the module docstring)."""
 
     __slots__ = ("id", "method", "path", "started", "status", "model", "backend", "reason", "predicted_cached",
-                 "first_output", "stream", "tail", "log", "_send", "_token")
+                 "first_output", "stream", "tail", "log", "tenant", "charged", "_send", "_token")
 
     def __init__(self, scope: Scope, send: Send, log_access: bool) -> None:
         self.id, new = request_id_of(scope)
@@ -169,6 +172,10 @@ class Observed:
         self.stream = False
         self.tail = b""
         self.log = log_access
+        self.tenant: Tenant | None = None
+        """Whose key the request carried, while ``router.tenants`` is configured."""
+        self.charged = 0
+        """The prompt tokens the router took from the tenant's minute before sending it."""
         self._send = send
         self._token = _current.set(self)
 
@@ -218,6 +225,8 @@ class Observed:
                         metrics.child(metrics.TOKENS, model, backend, kind).inc(n)
                 if self.predicted_cached is not None and usage[2] is not None and self.status == 200:
                     FIDELITY.record(backend, self.predicted_cached, usage[2])
+        if self.tenant is not None and usage is not None:
+            used(self.tenant, self.charged, usage[0], usage[2])
         if self.log:
             p, c, cached = usage if usage is not None else (None, None, None)
             access_log.info(_encode(AccessLine(

@@ -272,6 +272,14 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, tracing.TracingError) as e:
         print(e, file=sys.stderr)
         return 2
+    if config.router.tenants:
+        from router.http.tenants import Tenants
+
+        try:
+            Tenants(config.router)  # a tenant's missing key variable or file stops the start here, named
+        except ValueError as e:
+            print(f"{args.config}: {e}", file=sys.stderr)
+            return 2
     if args.workers is not None and args.workers < 1:
         print(f"--workers must be at least 1, got {args.workers}", file=sys.stderr)
         return 2
