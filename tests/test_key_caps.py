@@ -61,8 +61,8 @@ def test_the_router_caps_a_simulated_engine_at_the_capacity_its_metrics_report(s
     page = httpx.get(sim.http() + "/metrics", timeout=5).text
     assert parse_capacity(page) == {"0": {"GPU": 16_000}}, "the simulator reports vllm:cache_config_info like vLLM"
     backend = {"name": "sim-0", "url": sim.http(), "kv_events": sim.kv(), "kv_replay": sim.replay()}
-    router = RouterProc("router", {"models": [model(backend)],
-                                   "router": {"metrics_scrape_interval_s": 0.2, "health_interval_s": 0.5}}, tmp_path)
+    router = RouterProc("router", {"models": [model(backend)], "router": {"health_interval_s": 0.5}}, tmp_path,
+                        tuning={"metrics_scrape_interval_s": 0.2})
     try:
         def capacity() -> Any:
             streams = httpx.get(router.url + "/debug/backends", timeout=5).json()["backends"][0]["event_streams"]
