@@ -304,7 +304,8 @@ class RouterSettings(_Strict):
     that no router process sent. While every healthy backend of a model is busy, a new
     request waits at the router, and the policy decides when it leaves, on the index and
     load of that moment (late binding): lower ``priority`` first (vLLM's request field),
-    then tenants in turn (the body's ``user``, else the client's key), then arrival.
+    then tenants in turn (the ``router.tenants`` tenant the key names, else the body's
+    ``user``, else the client's key), then arrival.
     About one engine step of prefill (``--max-num-batched-tokens``) is a place to start."""
     queue_max_waiting: int = Field(default=1024, ge=1)
     """Most requests one router process holds waiting per model; one more gets 429 with

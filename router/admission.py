@@ -15,8 +15,9 @@ each counted at the mean queued prompt. Dynamo's router queue gates on the same 
 (active prefill tokens against ``max_num_batched_tokens``).
 
 Order when a backend frees: lower ``priority`` first (vLLM's request field, lower is
-served first as in vLLM's priority scheduling), then tenants in turn (the body's
-``user``, else a hash of the client's ``Authorization``), then arrival. One request is let
+served first as in vLLM's priority scheduling), then tenants in turn (the tenant of
+``router.tenants`` the client's key names, else the body's ``user``, else a hash of the
+client's ``Authorization``), then arrival. One request is let
 through at a time and the next waits until it holds its load ticket, so each busy check
 counts the previous one's tokens. A request over ``queue_max_waiting`` or waiting past
 ``queue_timeout_s`` gets 429 with ``Retry-After``; one whose client disconnects leaves the
@@ -214,8 +215,12 @@ def priority_of(body: dict[str, Any]) -> int:
     return p if isinstance(p, int) and not isinstance(p, bool) else 0
 
 
-def tenant_of(body: dict[str, Any], authorization: str | None) -> str:
-    """The body's ``user``, else a hash of the client's credentials (never the key itself)."""
+def tenant_of(body: dict[str, Any], authorization: str | None, configured: str | None = None) -> str:
+    """The configured tenant the client's key named (``router.tenants``: a client cannot
+    claim another's turn), else the body's ``user``, else a hash of the client's credentials
+    (never the key itself)."""
+    if configured is not None:
+        return "tenant:" + configured
     user = body.get("user")
     if isinstance(user, str) and user:
         return "user:" + user

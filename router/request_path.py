@@ -81,12 +81,13 @@ class RequestPath:
     """Each model's admission queue, when ``router.queue_busy_tokens`` turns it on."""
 
     async def decide(self, body: dict[str, Any], raw_len: int, kind: str, headers: Any, *, act: bool = False,
-                     disconnected: Callable[[], Awaitable[Any]] | None = None) -> Decided:
+                     disconnected: Callable[[], Awaitable[Any]] | None = None, tenant: str | None = None) -> Decided:
         """Stages 2-5 for a parsed body. With ``act`` (a request about to be sent) the plan
         may defer tokenizing, the request may wait in the admission queue (until
         ``disconnected`` returns, at most), and it waits, bounded, for one with the same
         new first block that is still settling; without it (``/debug/route``) the plan is
-        always the exact ids, the answer the contract promises."""
+        always the exact ids, the answer the contract promises. ``tenant``: the configured
+        tenant the client's key named (``router.tenants``), whom the queue serves in turn."""
         started = time.perf_counter()
         rt, lora = self.models.resolve(body)  # 2. resolve model
         salt = validate_fields(body, kind)
@@ -96,7 +97,8 @@ class RequestPath:
         queue = self.queues.get(rt.name) if act else None
         admitted = OPEN
         if queue is not None:  # 4. look up, once the queue lets it through
-            admitted = await queue.admit(priority_of(body), tenant_of(body, headers.get("authorization")), disconnected)
+            admitted = await queue.admit(priority_of(body), tenant_of(body, headers.get("authorization"), tenant),
+                                       disconnected)
         try:
             d = await self._choose(q, plan, headers, act, started)
         except BaseException:

@@ -27,13 +27,14 @@ LONG = "a long document to prefill first " * 500
 """About 3,500 tokens: at speedup 1 the engine takes ~0.5 s to prefill it."""
 
 
-def serve(sim: Any, tmp: Path, **queue: Any) -> tuple[Proc, str]:
+def serve(sim: Any, tmp: Path, env: dict[str, str] | None = None, **queue: Any) -> tuple[Proc, str]:
     port = free_port()
     config = {"models": [model(sim_backend(sim, 0))],
               "router": {"queue_busy_tokens": 1, "health_interval_s": 0.5, **queue}}
     path = tmp / "router.yaml"
     path.write_text(yaml.safe_dump(config))
-    proc = Proc([*KVROUTER, "serve", "--config", str(path), "--port", str(port), "--workers", "1"], tmp / "router.log")
+    proc = Proc([*KVROUTER, "serve", "--config", str(path), "--port", str(port), "--workers", "1"], tmp / "router.log",
+                env=env)
     url = f"http://127.0.0.1:{port}"
     wait_http(url + "/health", timeout=120, proc=proc.popen)
     return proc, url
@@ -76,6 +77,38 @@ def test_the_queue_lets_requests_through_by_priority_then_tenant_in_turn_then_ar
         # Priority first; then tenants a and b in turn, each in arrival order.
         assert order[1:] == ["urgent", "a1", "b1", "a2", "b2", "a3"], order
         assert outcomes(url).get("dispatched", 0) >= 6
+    finally:
+        proc.stop()
+
+
+def test_configured_tenants_take_turns_whatever_user_their_requests_name(sim_fleet: Any, tmp_path: Path) -> None:
+    """With ``router.tenants`` the key names the tenant: a client that sends each request
+    under a new ``user`` still gets one turn in the rotation, not one per request."""
+    sim = sim_fleet("--speedup", "1")
+    tenants = {"a": {"keys": "env:KVR_TEST_KEY_A"}, "b": {"keys": "env:KVR_TEST_KEY_B"}}
+    proc, url = serve(sim, tmp_path, env={"KVR_TEST_KEY_A": "key-a", "KVR_TEST_KEY_B": "key-b"}, tenants=tenants)
+    try:
+        async def run() -> list[str]:
+            done: list[str] = []
+
+            async def one(c: httpx.AsyncClient, name: str, prompt: str = "", **fields: Any) -> None:
+                r = await complete(c, url, prompt or f"question {name} " * 20, **fields)
+                assert r.status_code == 200, r.text
+                done.append(name)
+
+            async with httpx.AsyncClient(timeout=60, headers={"authorization": "Bearer key-a"}) as a, \
+                    httpx.AsyncClient(timeout=60, headers={"authorization": "Bearer key-b"}) as b:
+                blocker = asyncio.ensure_future(one(a, "blocker", LONG))
+                await asyncio.sleep(0.1)
+                waiting = []
+                for client, name in [(a, "a1"), (a, "a2"), (a, "a3"), (b, "b1"), (b, "b2")]:
+                    waiting.append(asyncio.ensure_future(one(client, name, user=f"user-{name}")))
+                    await asyncio.sleep(0.02)
+                await asyncio.gather(blocker, *waiting)
+            return done
+
+        order = asyncio.run(run())
+        assert order == ["blocker", "a1", "b1", "a2", "b2", "a3"], order
     finally:
         proc.stop()
 

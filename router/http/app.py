@@ -167,7 +167,8 @@ class Handlers:
         raw, body, started = await self.read_json(request)
         raw = salted(tenant, raw, body)
         path_ = self.router.path
-        decided = await path_.decide(body, len(raw), kind, request.headers, act=True, disconnected=request.receive)
+        decided = await path_.decide(body, len(raw), kind, request.headers, act=True, disconnected=request.receive,
+                                     tenant=tenant.name if tenant is not None else None)
         try:
             if tenant is not None:
                 self.take_prompt(tenant, decided.ctx.num_tokens)
