@@ -121,3 +121,27 @@ class Outage:
         """A call under ``key`` succeeded: ends its outage, if one was on (cheap when none was)."""
         if self._since and key in self._since:
             self._log.info(message + " (after %.1f s)", *args, time.monotonic() - self._since.pop(key))
+
+
+class Throttle:
+    """At most one log line per ``every_s`` for a repeating warning (a forged publisher once
+    filled the log with 1,539 lines); the next line says how many were held back. Callers
+    count every occurrence in their own metric."""
+
+    __slots__ = ("every_s", "_at", "_held")
+
+    def __init__(self, every_s: float) -> None:
+        self.every_s = every_s
+        self._at = -float("inf")
+        self._held = 0
+
+    def due(self) -> str | None:
+        """None while the last line is recent (this one is held back); else the suffix the
+        line ends with, naming what was held back since the last."""
+        now = time.monotonic()
+        if now - self._at < self.every_s:
+            self._held += 1
+            return None
+        more = f" ({self._held} more since the last one logged)" if self._held else ""
+        self._at, self._held = now, 0
+        return more

@@ -344,19 +344,12 @@ class _ModelIndex:
         O(1) per stored key. All copies of an evicted key go with it."""
         head = self.heads.get(logkey, 0)
         end = len(log_)
-        get = table.get
         extra = self.extras.get(logkey)
         evicted = 0
         while evicted < n and head < end:
             k = log_[head]
             head += 1
-            m = get(k, 0)
-            if m & bit:
-                m ^= bit
-                if m:
-                    table[k] = m
-                else:
-                    del table[k]
+            if _drop(table, bit, (k,)):
                 if extra:
                     extra.pop(k, None)
                 evicted += 1

@@ -277,6 +277,7 @@ local function unset(h, b, keys)
     end
   end
   write_masks(h, changed, cur)
+  return changed
 end
 local function compact(h, log, b, count)
   if redis.call('LLEN', log) <= 2 * count + chunk then return end
@@ -297,20 +298,8 @@ local function evict(h, log, extras, b, over)
   while evicted < over do
     local keys = redis.call('LPOP', log, math.min(over - evicted, chunk))
     if not keys then break end
-    local had = redis.call('HMGET', h, unpack(keys))
-    local cur, gone = {}, {}
-    for i, f in ipairs(keys) do
-      local m = cur[f]
-      if m == nil then m = tonumber(had[i]) or 0 end
-      if band(m, b) ~= 0 then
-        cur[f] = bxor(m, b)
-        gone[#gone + 1] = f
-      else
-        cur[f] = m
-      end
-    end
+    local gone = unset(h, b, keys)
     if #gone > 0 then
-      write_masks(h, gone, cur)
       if copies then redis.call('HDEL', extras, unpack(gone)) end
       evicted = evicted + #gone
     end

@@ -109,7 +109,7 @@ from indexer.events import (
     parse_pub_frames,
     parse_replay_reply,
 )
-from indexer.breaker import Outage
+from indexer.breaker import Outage, Throttle
 from indexer.heap import trim
 from indexer.index import DEFAULT_MEDIUM, Index, KeyCaps, Worker
 
@@ -367,16 +367,12 @@ class _Stream:
         """A large replay ended while a follow-up replay still held its rest: trim after that one."""
         self.stalled = 0
         """Replays in a row that applied nothing (``MAX_STALLED_REPLAYS``)."""
-        self.warned_at = -_NEVER
-        self.unlogged = 0
-        """Malformed messages counted but not logged since ``warned_at`` (:data:`WARN_EVERY_S`)."""
-        """The index refused writes (Redis down): logged once, and once more when it takes them again."""
+        self.malformed_log = Throttle(WARN_EVERY_S)
         self.media: set[str] = set()
         """Tiers the worker stored into since it was last cleared (:data:`MAX_MEDIA_PER_WORKER`)."""
         self.suspects: dict[int, bytes] = {}
         """A run of consecutive suspect messages not yet corroborated (:data:`CORROBORATING_BATCHES`)."""
-        self.suspect_warned_at = -_NEVER
-        self.suspect_unlogged = 0
+        self.suspect_log = Throttle(WARN_EVERY_S)
 
 
 class FleetSubscriber:
@@ -1035,14 +1031,10 @@ class FleetSubscriber:
         """Count a suspect seq; log it unless this stream logged one within :data:`WARN_EVERY_S`."""
         st.stats.suspect_seqs += 1
         self._metrics.suspect_seqs.labels(*st.labels, reason).inc()
-        now = time.monotonic()
-        if now - st.suspect_warned_at < WARN_EVERY_S:
-            st.suspect_unlogged += 1
-            return
-        more = f" ({st.suspect_unlogged} more since the last one logged)" if st.suspect_unlogged else ""
-        st.suspect_warned_at, st.suspect_unlogged = now, 0
-        log.warning("kv events %s: suspect seq %d (%s, expected %s) dropped; its events are not the engine's, or not "
-                    "yet shown to be%s", _name(st), seq, reason, st.expected, more)
+        more = st.suspect_log.due()
+        if more is not None:
+            log.warning("kv events %s: suspect seq %d (%s, expected %s) dropped; its events are not the engine's, or not "
+                        "yet shown to be%s", _name(st), seq, reason, st.expected, more)
 
     def _restart(self, st: _Stream, why: str) -> None:
         self._count(st, "restarts")
@@ -1093,13 +1085,9 @@ class FleetSubscriber:
         """Count a skipped message; log it unless this stream logged one within
         :data:`WARN_EVERY_S` (a forged publisher once filled the log with 1,539 lines)."""
         self._count(st, "malformed")
-        now = time.monotonic()
-        if now - st.warned_at < WARN_EVERY_S:
-            st.unlogged += 1
-            return
-        more = f" ({st.unlogged} more since the last one logged)" if st.unlogged else ""
-        st.warned_at, st.unlogged = now, 0
-        log.warning("kv events %s: malformed message skipped: %s%s", _name(st), why, more)
+        more = st.malformed_log.due()
+        if more is not None:
+            log.warning("kv events %s: malformed message skipped: %s%s", _name(st), why, more)
 
     def _index_failed(self, st: _Stream, what: str, e: Exception) -> None:
         """Counted every time; logged once per outage."""

@@ -26,13 +26,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import resource
-import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from indexer.breaker import Throttle
 from router import metrics
 
 log = logging.getLogger(__name__)
@@ -75,18 +75,16 @@ class _Refusals:
     """Counts refusals by reason; logs each reason at most once per :data:`LOG_EVERY_S`."""
 
     def __init__(self) -> None:
-        self._logged: dict[str, tuple[float, int]] = {}
+        self._logs: dict[str, Throttle] = {}
 
     def count(self, reason: str, detail: str) -> None:
         metrics.child(metrics.CONNECTIONS_REFUSED, reason).inc()
-        now = time.monotonic()
-        at, unlogged = self._logged.get(reason, (-LOG_EVERY_S, 0))
-        if now - at < LOG_EVERY_S:
-            self._logged[reason] = (at, unlogged + 1)
-            return
-        more = f" ({unlogged} more since the last one logged)" if unlogged else ""
-        self._logged[reason] = (now, 0)
-        log.warning("client connection closed: %s%s", detail, more)
+        throttle = self._logs.get(reason)
+        if throttle is None:
+            throttle = self._logs[reason] = Throttle(LOG_EVERY_S)
+        more = throttle.due()
+        if more is not None:
+            log.warning("client connection closed: %s%s", detail, more)
 
 
 def guarded(limits: Limits) -> type[HttpToolsProtocol]:
