@@ -134,6 +134,12 @@ streams get theirs (at least one message): ~29,000 bare keys, some 15 ms of inde
 and ~50 ms with hash verification, so a stream flooded with batches delays the others
 by about that much per turn, while a real engine's batches (kilobytes) are applied whole
 and at once when no other stream is busy."""
+MAX_BATCH_BLOCKS = 1 << 17
+"""Most stored blocks one batch may bring; the blocks past it are dropped and counted like
+keys past the cap. vLLM publishes one batch per engine step, and a step computes at most
+``max_num_batched_tokens`` tokens: 131,072 blocks is 2M tokens at block size 16, more than
+any step. A forged 16 MiB batch (1.8M bare keys) would otherwise hold the ingest thread,
+and every other stream, for seconds while it is verified and stored whole."""
 MAX_MEDIA_PER_WORKER = 4
 """Tiers one worker may store into between two clears: GPU, CPU and two more (a connector's
 storage tiers). Each tier has its own cap, so forged tier names would multiply it; a store
@@ -1112,11 +1118,13 @@ def _unique(specs: list[StreamSpec]) -> list[StreamSpec]:
 def bound_batch(batch: EventBatch, media: set[str], caps: KeyCaps, worker: Worker) -> tuple[EventBatch, int]:
     """``batch`` without what the caps would drop anyway, and how many keys that is: stores
     into a tier beyond :data:`MAX_MEDIA_PER_WORKER` (``media``: the tiers ``worker`` stored
-    into since it was last cleared, updated here), and the blocks of a stored event past
-    its first ``cap`` (the index would drop them; cut here, the verifier never walks them).
-    The batch itself when nothing is dropped, the common case."""
+    into since it was last cleared, updated here), the blocks of a stored event past its
+    first ``cap`` (the index would drop them; cut here, the verifier never walks them), and
+    the batch's stored blocks past :data:`MAX_BATCH_BLOCKS`. The batch itself when nothing
+    is dropped, the common case."""
     events: list[Any] | None = None
     dropped = 0
+    room = MAX_BATCH_BLOCKS
     for i, ev in enumerate(batch.events):
         if type(ev) is AllBlocksCleared:
             media.clear()
@@ -1127,7 +1135,8 @@ def bound_batch(batch: EventBatch, media: set[str], caps: KeyCaps, worker: Worke
                 keep = 0
             else:
                 media.add(medium)
-                keep = min(n, caps.cap(worker, medium))
+                keep = min(n, caps.cap(worker, medium), room)
+            room -= keep
             if keep < n:
                 dropped += n - keep
                 if events is None:

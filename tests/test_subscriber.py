@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry
 from indexer.events import AllBlocksCleared, BlockStored, EventBatch, encode_batch
 from indexer.hashing import BlockHasher
 from indexer.index import MemoryIndex, Worker
-from indexer.subscriber import FleetSubscriber, StreamSpec, offset_endpoint, specs_from_config
+from indexer.subscriber import MAX_BATCH_BLOCKS, FleetSubscriber, StreamSpec, offset_endpoint, specs_from_config
 from indexer.verify import HashVerifier
 from kvpub import EnginePublisher
 from kvconfig import parse_config
@@ -301,6 +301,21 @@ def test_a_forged_flood_is_capped_and_the_other_stream_stays_current(caplog: pyt
         sub.stop()
         a.close()
         b.close()
+
+
+def test_a_batch_stores_at_most_max_batch_blocks_whatever_the_cap() -> None:
+    """With the engine's capacity unknown the cap is ~2M keys, so a forged batch of three
+    100k-block events would be verified and stored whole: only its first MAX_BATCH_BLOCKS
+    blocks are (a vLLM step never stores that many), the rest counted as capped."""
+    per = 100_000
+    events = [BlockStored(list(range((1 << 40) + i * per, (1 << 40) + (i + 1) * per)), None, [], 16, None, "GPU")
+              for i in range(3)]
+    with two_engines() as (a, _, index, sub):
+        a.publish(encode_batch(EventBatch(1.0, events, 0), "0.33.0"))
+        wait_for(lambda: sub.stats()[W0].batches == 1, "applied")
+        assert index.block_counts(MODEL) == {W0: MAX_BATCH_BLOCKS}
+        assert sub.stats()[W0].capped == 3 * per - MAX_BATCH_BLOCKS
+        assert has(index, (1 << 40) + MAX_BATCH_BLOCKS - 1) and not has(index, (1 << 40) + MAX_BATCH_BLOCKS)
 
 
 def test_a_worker_stores_into_at_most_four_tiers() -> None:
