@@ -10,12 +10,14 @@ in its own process (so that RSS is its own):
 * ``capped``: engine-0's capacity known (``--capacity`` blocks, as the router's scrape
   reads it off ``vllm:cache_config_info``), the caps and the per-stream turn budget on;
 * ``default``: the same before the capacity is known (the default bound);
-* ``uncapped``: the caps and the turn budget off, as the subscriber was without them.
+* ``uncapped``: the caps, the per-batch block bound and the turn budget off, as the
+  subscriber was without them.
 
 Prints per case: keys engine-0 holds, keys dropped, the flood's ingest rate, engine-1's
 lag (sent to applied: median and max), and RSS before and after.
 
     .venv/bin/python benchmarks/bench_flood.py [--keys 5000000] [--per 50000] [--capacity 50000]
+    .venv/bin/python benchmarks/bench_flood.py --keys 1800000 --per 1800000   # one 16 MiB batch
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ def run_case(case: str, keys: int, per: int, capacity: int) -> dict[str, float]:
     if case == "capped":
         caps.set_capacity(w0, {"GPU": capacity})
     if case == "uncapped":
-        subscriber.TURN_BYTES = 1 << 40
+        subscriber.TURN_BYTES = subscriber.MAX_BATCH_BLOCKS = 1 << 40
     index = MemoryIndex(caps)
     hasher = BlockHasher("sha256", 16, "0", "0.33.0")
     verifier = HashVerifier(hasher, settle_after=SETTLE_AFTER, caps=caps)
