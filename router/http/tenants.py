@@ -44,7 +44,7 @@ from typing import Any
 import msgspec
 from pydantic import SecretStr
 
-from kvconfig import ANONYMOUS, RouterSettings
+from kvconfig import ANONYMOUS, RouterSettings, bearer_matches
 from router import metrics
 from router.http.errors import RateLimited
 
@@ -148,12 +148,9 @@ class Tenants:
     def identify(self, authorization: str | None) -> Tenant | None:
         """The tenant whose key ``Authorization: Bearer KEY`` carries, or None. Every key is
         compared, whether one matched already or not."""
-        if authorization is None or authorization[:7].lower() != "bearer ":
-            return None
-        sent = authorization[7:].strip().encode("latin-1")
         found = None
         for key, tenant in self.keys:
-            if hmac.compare_digest(sent, key):
+            if bearer_matches(authorization, key):
                 found = tenant
         return found
 
