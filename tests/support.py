@@ -167,6 +167,25 @@ class RouterProc:
             args += ["--tuning", json.dumps(tuning)]
         self.proc = Proc(args, self.log_path, env=env)
         wait_http(self.url + "/health", timeout=120, proc=self.proc.popen)
+        workers = int(args[args.index("--workers") + 1]) if "--workers" in args else 1
+        if workers > 1:
+            self._wait_workers(workers)
+
+    def _wait_workers(self, n: int) -> None:
+        """``/health`` answers once the first worker listens; each worker binds its own
+        SO_REUSEPORT socket when its startup ends, so until the last one has, the kernel
+        gives every connection to the others. Tests that count on connections spreading
+        over the workers start once each has answered one."""
+        seen: set[int] = set()
+
+        def all_listen() -> bool:
+            try:
+                seen.add(httpx.get(self.url + "/debug/backends", timeout=5).json().get("worker", 0))
+            except (httpx.TransportError, ValueError):
+                pass
+            return len(seen) == n
+
+        wait_for(all_listen, f"all {n} workers to listen", timeout=120)
 
     @property
     def url(self) -> str:
