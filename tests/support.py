@@ -169,19 +169,20 @@ class RouterProc:
         wait_http(self.url + "/health", timeout=120, proc=self.proc.popen)
         workers = int(args[args.index("--workers") + 1]) if "--workers" in args else 1
         if workers > 1:
-            self._wait_workers(workers)
+            self._wait_workers(workers, (config.get("router") or {}).get("admin_api_key"))
 
-    def _wait_workers(self, n: int) -> None:
+    def _wait_workers(self, n: int, admin_key: str | None) -> None:
         """``/health`` answers once the first worker listens; each worker binds its own
         SO_REUSEPORT socket when its startup ends, so until the last one has, the kernel
         gives every connection to the others. Tests that count on connections spreading
         over the workers start once each has answered one."""
         seen: set[int] = set()
+        headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
 
         def all_listen() -> bool:
             try:
-                seen.add(httpx.get(self.url + "/debug/backends", timeout=5).json().get("worker", 0))
-            except (httpx.TransportError, ValueError):
+                seen.add(httpx.get(self.url + "/debug/backends", headers=headers, timeout=5).raise_for_status().json()["worker"])
+            except httpx.TransportError:
                 pass
             return len(seen) == n
 
