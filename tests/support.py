@@ -166,10 +166,14 @@ class RouterProc:
         if tuning is not None:
             args += ["--tuning", json.dumps(tuning)]
         self.proc = Proc(args, self.log_path, env=env)
-        wait_http(self.url + "/health", timeout=120, proc=self.proc.popen)
         workers = int(args[args.index("--workers") + 1]) if "--workers" in args else 1
-        if workers > 1:
-            self._wait_workers(workers, (config.get("router") or {}).get("admin_api_key"))
+        try:
+            wait_http(self.url + "/health", timeout=120, proc=self.proc.popen)
+            if workers > 1:
+                self._wait_workers(workers, (config.get("router") or {}).get("admin_api_key"))
+        except BaseException:  # no caller holds the process yet: stop it here, or it outlives the test
+            self.proc.stop()
+            raise
 
     def _wait_workers(self, n: int, admin_key: str | None) -> None:
         """``/health`` answers once the first worker listens; each worker binds its own
