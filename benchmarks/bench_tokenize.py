@@ -4,8 +4,10 @@ Cases:
 * warm chat: a 10-message conversation whose ~8k-token history the router tokenized
   before, plus a new ~200-token user turn (different on every repetition, so the new
   turn is always a cache miss);
+* RAG message: one user message of two ~1k-token documents seen before and a new
+  ~150-token question (the documents are reused from the cache, cut at paragraph breaks);
 * cold prompts of 1k / 4k / 32k tokens never seen before (the segment path can only
-  add its overhead here: one regex scan and one xxh3 per segment).
+  add its overhead here: one regex scan and one xxh3 per segment or paragraph).
 
 Both paths render the chat template the same way; "full" then calls
 ``tokenizer.encode(prompt)`` on the whole prompt as vLLM does. Prints medians in ms and
@@ -83,10 +85,24 @@ def main() -> None:
     full = median_ms(lambda i: tok.encode_full(tok.render_chat(warm_body(i))), args.reps)
 
     rows = [("warm 10-turn chat (8k seen + 200 new)", n_tokens, render, segment, full)]
+
+    docs = [f"Document {d}:\n" + text_of(tok, ids, 40_000 + d * 1000, 1000) for d in range(2)]
+    questions = [f"Question {i}: " + text_of(tok, ids, 60_000 + i * 151, 150) for i in range(args.reps + 1)]
+
+    def rag_body(i: int) -> dict:
+        return {"model": "m", "messages": [{"role": "user", "content": "\n\n".join([*docs, questions[i]])}]}
+
+    tok.chat_ids(rag_body(args.reps))  # the documents are seen once
+    rag = [median_ms(fn, args.reps) for fn in (lambda i: tok.render_chat(rag_body(i)), lambda i: tok.chat_ids(rag_body(i)),
+                                                lambda i: tok.encode_full(tok.render_chat(rag_body(i))))]
+    rows.append(("RAG message (2 docs seen + new question)", len(tok.chat_ids(rag_body(0))), *rag))
     for size in (1_000, 4_000, 32_000):
         reps = max(5, args.reps // (1 if size < 32_000 else 3))
-        prompts_seg = [f"Request {i} seg: " + text_of(tok, ids, 20_000 + i * 97, size) for i in range(reps)]
-        prompts_full = [f"Request {i} full: " + text_of(tok, ids, 20_000 + i * 97, size) for i in range(reps)]
+        # Every paragraph names its request, so none was seen before either.
+        prompts_seg = [f"Request {i} seg: " + text_of(tok, ids, 20_000 + i * 97, size).replace("\n\n", f" {i}s\n\n")
+                       for i in range(reps)]
+        prompts_full = [f"Request {i} full: " + text_of(tok, ids, 20_000 + i * 97, size).replace("\n\n", f" {i}f\n\n")
+                        for i in range(reps)]
         body = lambda p: {"model": "m", "messages": [{"role": "user", "content": p}]}  # noqa: E731
         n = len(tok.chat_ids(body(prompts_seg[0] + " warmup")))
         r = median_ms(lambda i: tok.render_chat(body(prompts_seg[i])), reps)

@@ -141,6 +141,64 @@ def test_long_segments_take_the_gil_free_path_and_tokenize_identically(qwen3: Pr
         assert qwen3.encode(chat) == qwen3.encode_full(chat)
 
 
+def _rag_message(docs: list[str], question: str) -> str:
+    parts = [f"Document {i}:\n{doc}" for i, doc in enumerate(docs)]
+    return "<|im_start|>user\n" + "\n\n".join([*parts, f"Question: {question}"]) + "<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_shared_documents_in_a_new_message_reuse_their_ids() -> None:
+    """A long message is cut at paragraph breaks: a second question over the same documents
+    tokenizes only its own words (and still equals full tokenization), and a scan's head
+    runs through the cached documents up to the new question."""
+    from router.prompt.segments import CHUNKED_CHARS
+
+    tok = PromptTokenizer.load(str(QWEN3_DIR), verify_rate=0.0, name="rag-chunks")
+    readme = (REPO / "README.md").read_text()
+    docs = [readme[i * 900 : (i + 1) * 900].replace("\n\n", "\n") for i in range(3)]
+    first = _rag_message(docs, "what does the first document say?")
+    assert len(first) > CHUNKED_CHARS
+    assert tok.encode(first) == tok.encode_full(first)
+    second = _rag_message(docs, "and the " + "second one " * 40 + "?")
+    scan = tok.scan(second, False)
+    assert not scan.complete and scan.uncached_chars < 600, scan.uncached_chars
+    assert second[: scan.head_chars].endswith("\n\n") and second[scan.head_chars :].startswith("Question:")
+    assert tok.encode_full(second)[: len(scan.head)] == scan.head
+    missed = _metric("kvrouter_tokenizer_segment_tokens_total", model="rag-chunks", result="miss")
+    assert tok.encode(second) == tok.encode_full(second)
+    new = _metric("kvrouter_tokenizer_segment_tokens_total", model="rag-chunks", result="miss") - missed
+    assert 0 < new < 120, f"{new} tokens tokenized again for a new question over cached documents"
+
+
+def test_paragraph_cuts_keep_ids_exact_on_random_and_real_long_texts(qwen3: PromptTokenizer) -> None:
+    """Long texts full of line breaks before letters, digits, marks, quotes and spaces (and
+    the ShareGPT conversations joined into long messages): segment ids equal full ids."""
+    rng = random.Random(7)
+    pieces = ["word", "Word", " the", "École", "ñ", "\u0301", "你好", "12", "3", "'s", "'t", " ", "  ", "\t", ".", ":", "!?",
+              "👋🏽", "\n", "\n\n", "\r\n", " \n", "\n \n", "\n\n\n", "<|im_end|>", "<think>", "#", "- ", "```", "_x", "Ⅻ"]
+    texts = ["".join(rng.choice(pieces) for _ in range(rng.randint(300, 900))) for _ in range(150)]
+    for messages in _sharegpt_chats(40):
+        texts.append("\n\n".join(m["content"] for m in messages))
+    for text in texts:
+        assert qwen3.encode(text) == qwen3.encode_full(text), text[:200]
+        assert qwen3.encode(text) == qwen3.encode_full(text), text[:200]  # from the cache
+
+
+def test_paragraph_cuts_are_off_where_a_line_break_changes_the_next_word(tmp_path: Path) -> None:
+    """A normalizer that rewrites a line break together with the letter after it makes a
+    paragraph cut change the ids: the probes at load find that, whole segments stay, and
+    the ids stay exact."""
+
+    def rewrite_across_breaks(spec: dict[str, Any]) -> None:
+        replace = {"type": "Replace", "pattern": {"String": "\n\nQ"}, "content": "\n\n q"}
+        spec["normalizer"] = {"type": "Sequence", "normalizers": [spec["normalizer"], replace]}
+
+    tok = PromptTokenizer(_qwen3_variant(tmp_path, rewrite_across_breaks), name="break-rewrite", verify_rate=0.0)
+    assert tok.segment_enabled, tok.segment_disabled_reason
+    assert tok.segments._cut_re is None
+    text = _rag_message(["alpha beta gamma " * 60, "delta epsilon " * 80], "why?")
+    assert tok.encode(text) == tok.encode(text) == tok.encode_full(text)
+
+
 def test_scan_heads_include_a_bos_the_tokenizer_adds(tmp_path: Path) -> None:
     """With a post-processor that adds a BOS, a scan's head starts with it and a complete
     scan is exactly ``encode(add_special_tokens=True)``."""
