@@ -197,17 +197,28 @@ def test_every_worker_weighs_every_workers_requests(tmp_path: Path) -> None:
 
 
 def test_sigterm_drains_every_worker_then_exits_0(tmp_path: Path) -> None:
-    with SlowStreamEngine(events=12, gap_s=0.2) as engine:
+    with SlowStreamEngine(events=25, gap_s=0.2) as engine:
         config = {"models": [model({"name": "slow", "url": engine.url})],
                   "router": {"drain_timeout_s": 10.0, "health_interval_s": 0.5}}
         router = Router(config, tmp_path)
         try:
-            readers = [StreamReader(router.url) for _ in range(8)]
-            for r in readers:
-                r.start()
-            assert all(r.started.wait(20) for r in readers), router.log()
-            router.each_worker(lambda d: d["backends"][0]["load_by_worker"][d["worker"]]["in_flight"] > 0,
-                               "a stream on every worker")
+            # The kernel picks a worker by a hash of each connection's ports, so a batch of
+            # streams can all land on one (1 batch of 8 in 128): more batches until both hold one.
+            readers: list[StreamReader] = []
+            for _ in range(4):
+                batch = [StreamReader(router.url) for _ in range(4)]
+                for r in batch:
+                    r.start()
+                assert all(r.started.wait(20) for r in batch), router.log()
+                readers += batch
+                try:
+                    router.each_worker(lambda d: d["backends"][0]["load_by_worker"][d["worker"]]["in_flight"] > 0,
+                                       "a stream on every worker", timeout=2)
+                    break
+                except TimeoutError:
+                    continue
+            else:
+                raise AssertionError(f"{len(readers)} streams never reached both workers")
             signalled = time.monotonic()
             router.proc.popen.send_signal(signal.SIGTERM)
             wait_for(lambda: refused_or_503(router.url), "the draining workers to refuse new connections", timeout=3)
