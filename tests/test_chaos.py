@@ -40,5 +40,6 @@ def test_scenario_meets_the_bars(name: str, tmp_path: Path) -> None:
         # event stream reconnects: after recovery the index never claims what it lost.
         assert r["live_wrong_max"] is not None and r["live_wrong_max"] <= 10, r["live_diffs"]
     if name in ("engine_kill", "engine_pause"):
-        assert r["eject_s"] is not None and r["eject_s"] <= 2 * opt.health_interval_s, context
+        # Two health intervals, plus the sampler's period (0.25 s) that observes the ejection.
+        assert r["eject_s"] is not None and r["eject_s"] <= 2 * opt.health_interval_s + 0.25, context
         assert r["readmit_s"] is not None, context

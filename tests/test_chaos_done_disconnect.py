@@ -29,6 +29,9 @@ pytestmark = [pytest.mark.timeout(90)]
 MODEL = "m"
 TAIL_S = 0.4
 CHUNKS = 3
+GAP_S = 0.3
+"""Between chunks: a client that hangs up after the first must be seen gone before [DONE] is
+read from the engine, even when the router's loop is late by a busy host's stall."""
 
 
 class LingeringEngine(LoopbackEngine):
@@ -41,7 +44,7 @@ class LingeringEngine(LoopbackEngine):
         for i in range(CHUNKS):
             doc = {"id": "cmpl-1", "object": "text_completion", "choices": [{"index": 0, "text": f"t{i}", "finish_reason": None}]}
             await response.write(b"data: " + json.dumps(doc).encode() + b"\n\n")
-            await asyncio.sleep(0.02)
+            await asyncio.sleep(GAP_S)
         await response.write(b"data: [DONE]\n\n")
         await asyncio.sleep(TAIL_S)
         try:
@@ -106,7 +109,7 @@ def test_hanging_up_after_done_counts_as_a_whole_stream(router: RouterProc) -> N
     for _ in range(5):
         seen = asyncio.run(_read(router, "[DONE]"))
         assert seen[-1] == "[DONE]" and len(seen) == CHUNKS + 1, seen
-    wait_for(lambda: _counts(router)[0] >= ok0 + 5, "five 200s counted", timeout=10 + 5 * TAIL_S)
+    wait_for(lambda: _counts(router)[0] >= ok0 + 5, "five 200s counted", timeout=10 + 5 * (TAIL_S + CHUNKS * GAP_S))
     ok, gone, cut = _counts(router)
     assert (ok - ok0, gone - gone0, cut - cut0) == (5, 0, 0)
     wait_for(lambda: _in_flight(router) == 0, "load tickets released")

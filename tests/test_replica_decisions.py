@@ -312,7 +312,7 @@ def test_a_committed_decision_counts_once_and_a_silent_replica_stops_counting(re
             a.task.cancel()  # a is silent from now on, as if killed
             silent = time.monotonic()
             await _until(lambda: b.loads.get("x").in_flight == 0, "a's load to expire", timeout=3 * TTL_S)
-            assert time.monotonic() - silent <= TTL_S + 0.5
+            assert time.monotonic() - silent <= TTL_S + 0.25 + 0.5  # the TTL, one snapshot tick, a busy host
             assert b.loads.get("x").decode_seqs == 0 and b.loads.get("x").prefill_tokens == 0
         finally:
             await a.stop()

@@ -174,15 +174,16 @@ def test_streaming_chat_through_the_sdk(router_url: str) -> None:
 
 
 def test_streaming_arrives_chunk_by_chunk(router_url: str) -> None:
-    body = {"model": MODEL, "prompt": "stream me", "max_tokens": 30, "stream": True, "ignore_eos": True}
+    body = {"model": MODEL, "prompt": "stream me", "max_tokens": 300, "stream": True, "ignore_eos": True}
     arrivals = []
     with httpx.stream("POST", router_url + "/v1/completions", json=body, headers=headers(), timeout=30) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if line.startswith("data: "):
                 arrivals.append(time.monotonic())
-    assert len(arrivals) == 31  # 30 tokens + [DONE]
-    assert arrivals[-1] - arrivals[0] > 0.005, "the stream was buffered and delivered at once"
+    assert len(arrivals) == 301  # 300 tokens + [DONE]
+    # ~0.3 s of decoding at the fleet's speed: a buffering router delivers it all at once.
+    assert arrivals[-1] - arrivals[0] > 0.05, "the stream was buffered and delivered at once"
 
 
 def test_models_lists_every_model_and_adapter(router_url: str) -> None:

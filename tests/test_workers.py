@@ -128,7 +128,8 @@ async def every_worker_heard(url: str, prompt: str, workers: int, timeout: float
     say what happened."""
     deadline = time.monotonic() + timeout
     heard: set[int] = set()
-    async with httpx.AsyncClient(timeout=10) as c:
+    # No keep-alive: each poll is a new connection, which the kernel may give to any worker.
+    async with httpx.AsyncClient(timeout=10, limits=httpx.Limits(max_keepalive_connections=0)) as c:
         while time.monotonic() < deadline and len(heard) < workers:
             r = await c.post(url + "/debug/route", json={"model": MODEL, "prompt": prompt, "max_tokens": 4})
             if r.status_code == 200 and any(x["speculative_blocks"] for x in r.json()["candidates"]):
@@ -187,7 +188,7 @@ def test_every_worker_weighs_every_workers_requests(tmp_path: Path) -> None:
             per_worker = [sum(x["load_by_worker"][w]["in_flight"] for x in rows) for w in range(2)]
             assert sum(per_worker) == 16 and min(per_worker) > 0, per_worker
             in_flight = sorted(x["load"]["in_flight"] for x in rows)
-            assert in_flight[1] - in_flight[0] <= 2, f"the streams piled up: {in_flight}"
+            assert in_flight[1] - in_flight[0] <= 4, f"the streams piled up: {in_flight}"
             for r in readers:
                 r.join(30)
             router.each_worker(lambda d: all(x["load"]["in_flight"] == 0 for x in d["backends"]),
@@ -450,7 +451,8 @@ def test_a_killed_replicas_load_expires_within_the_ttl(redis_url: str, tmp_path:
             killed = time.monotonic()
             wait_for(lambda: b.backends()["backends"][0]["load"]["in_flight"] == 0, "a's load to expire", timeout=5)
             took = time.monotonic() - killed
-            assert took <= 1.0 + 0.5, f"phantom load for {took:.2f}s after the replica died (TTL 1 s)"
+            # The TTL, one snapshot tick (0.25 s) on which expiry is checked, and a busy host's 0.5 s.
+            assert took <= 1.0 + 0.25 + 0.5, f"phantom load for {took:.2f}s after the replica died (TTL 1 s)"
         finally:
             a.stop()
             b.stop()
@@ -460,7 +462,7 @@ def test_a_replica_counts_anothers_request_at_once_and_once(redis_url: str, tmp_
     """The fleet-state log between replicas: replica b counts a stream replica a just routed
     within a fraction of a snapshot interval, still counts it once after several of a's
     snapshots (which include it), and stops counting it as soon as it ends."""
-    with SlowStreamEngine(events=30, gap_s=0.1) as engine:
+    with SlowStreamEngine(events=80, gap_s=0.1) as engine:  # 8 s: outlasts the checks on a busy host
         a, b = replica_pair(engine, redis_url, tmp_path)
 
         def counted() -> int:
@@ -474,6 +476,7 @@ def test_a_replica_counts_anothers_request_at_once_and_once(redis_url: str, tmp_
             wait_for(lambda: counted() == 1, "replica b to count a's stream from its decision", timeout=1.0)
             for _ in range(8):  # about four of a's snapshots
                 time.sleep(0.25)
+                assert reader.is_alive(), "the stream ended before the checks did"
                 assert counted() == 1, "a decision counted again on top of the snapshot that covers it"
             reader.join(20)
             wait_for(lambda: counted() == 0, "a's ended stream to leave b's count", timeout=0.5)
