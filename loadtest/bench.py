@@ -267,8 +267,7 @@ def run_policy(workload: Workload, spec: FleetSpec | VllmSpec, policy: str, work
     simulated fleet (or ``live``, the real one, caches emptied); returns its results.json entry
     and plot data."""
     slug = policy.replace(":", "-")
-    asks = policy in EXACT_STATE_POLICIES and isinstance(spec, FleetSpec)
-    if asks:
+    if policy in EXACT_STATE_POLICIES and isinstance(spec, FleetSpec):
         spec = replace(spec, sim_args=[*spec.sim_args, SIDE_CHANNEL_ARG])
     with _fleet(spec, workdir / slug, live) as fleet, _router(fleet, policy, workdir / slug, weights, shape) as router:
         before = {e.name: _try(scrape, e.url + "/metrics") for e in fleet.engines}
@@ -280,9 +279,6 @@ def run_policy(workload: Workload, spec: FleetSpec | VllmSpec, policy: str, work
         cpu = _CpuMeter(_pids(router), _pids(fleet))
         res = _run_with_progress(replayer, workload, sampler, label or policy, bars)
         cpu_ms = cpu.per_request_ms(len(res.records))
-        # The simulated fleet stood still while it answered the policy's questions: the client's
-        # times are measured on the fleet's clock too (ReplayResult.without_pauses).
-        paused_s = res.without_pauses(side_channel_pauses(fleet)) if asks else None
         # A peer has no /debug/route, and its /metrics proxies an engine's page.
         kvrouter = isinstance(router, (Router, Replicas))
         overhead = probe_overhead(router.url, list(workload.turns()), spec.model) if kvrouter else None
@@ -314,7 +310,6 @@ def run_policy(workload: Workload, spec: FleetSpec | VllmSpec, policy: str, work
                                       "vllm:request_queue_time_seconds_count"),
         "engine_max_clock_lag_s": sampler.max_lag_s,
         "side_channel_mean_ms": _per_request_ms(engine_metrics, "kvrouter_sim:debug_state_seconds"),
-        "side_channel_paused_s": paused_s * spec.speedup if paused_s is not None else None,
         "decision_reasons": {k: int(v) for k, v in sorted(reasons.items(), key=lambda kv: -kv[1])},
         "router_metrics": {k: v for k, v in router_metrics.items()
                            if k.startswith("kvrouter_") and not k.endswith(("_bucket", "_created"))},
@@ -328,14 +323,6 @@ def run_policy(workload: Workload, spec: FleetSpec | VllmSpec, policy: str, work
         result["sequence_ms"] = sequence_ms
     write_records(res.records, workdir / f"records-{slug}.jsonl")
     return PolicyRun(result, report.PolicyTrace(policy, res.records, sampler.samples, spec.speedup))
-
-
-def side_channel_pauses(fleet: EngineFleet) -> list[tuple[float, float]]:
-    """The intervals the simulator stood still answering side-channel questions (one process
-    serves every engine, so its first engine answers for all)."""
-    r = httpx.get(fleet.engines[0].url + "/debug/state/pauses", timeout=30)
-    r.raise_for_status()
-    return [(float(a), float(b)) for a, b in r.json()["intervals"]]
 
 
 def _pids(proc: object) -> list[int]:

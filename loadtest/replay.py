@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import bisect
 import json
 import sys
 import time
@@ -71,41 +70,9 @@ class ReplayResult:
     target: str
     model: str
     workload: str
-    started: float = 0.0
-    """``time.monotonic()`` at the run's start: ``sent_s`` is relative to it."""
 
     def summary(self) -> dict[str, Any]:
         return summarize(self.records, self.wall_s, self.time_scale)
-
-    def without_pauses(self, intervals: list[tuple[float, float]]) -> float:
-        """Take the intervals during which a simulated fleet's time stood still (its side
-        channel's questions, :class:`loadtest.sim.engine.Pauses`; ``time.monotonic()``
-        seconds) out of every request's TTFT and end-to-end time and out of the run's
-        duration, so that they are measured on the fleet's clock. Returns the wall seconds
-        taken out of the run. Gaps between tokens keep their wall length (their times are
-        not kept), and requests were still sent on the wall clock, so a policy that pauses
-        the fleet faces at least the offered rate."""
-        spans = sorted(intervals)
-        for r in self.records:
-            start = self.started + r.sent_s
-            if r.ttft_s is not None:
-                r.ttft_s -= _overlap(spans, start, start + r.ttft_s)
-            if r.e2e_s is not None:
-                r.e2e_s -= _overlap(spans, start, start + r.e2e_s)
-        paused = _overlap(spans, self.started, self.started + self.wall_s)
-        self.wall_s -= paused
-        return paused
-
-
-def _overlap(spans: list[tuple[float, float]], a: float, b: float) -> float:
-    """How much of [a, b] the sorted, disjoint ``spans`` cover."""
-    i = max(0, bisect.bisect_right(spans, (a,)) - 1)
-    total = 0.0
-    for start, end in spans[i:]:
-        if start >= b:
-            break
-        total += max(0.0, min(end, b) - max(start, a))
-    return total
 
 
 def percentiles(values: list[float]) -> dict[str, float | None]:
@@ -210,17 +177,17 @@ class Replayer:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
         timeout = httpx.Timeout(self.timeout_s, connect=10.0)
         async with httpx.AsyncClient(limits=limits, timeout=timeout, headers=self.headers) as client:
-            self._t0 = time.monotonic()
+            self._t0 = time.perf_counter()
             if self.concurrency is None:
                 await self._open_loop(client, workload)
             else:
                 await self._closed_loop(client, workload, self.concurrency)
-            wall = time.monotonic() - self._t0
-        return ReplayResult(self.records, wall, self.time_scale, self.target, self.model, workload.name, self._t0)
+            wall = time.perf_counter() - self._t0
+        return ReplayResult(self.records, wall, self.time_scale, self.target, self.model, workload.name)
 
     def now(self) -> float:
         """Wall seconds since the run started."""
-        return time.monotonic() - self._t0
+        return time.perf_counter() - self._t0
 
     async def _open_loop(self, client: httpx.AsyncClient, workload: Workload) -> None:
         if not workload.sessions:
@@ -265,7 +232,7 @@ class Replayer:
         """Stream one request; never raises for HTTP or network trouble (it lands in the record)."""
         body = {**turn.body, "model": self.model, "stream": True, "stream_options": {"include_usage": True}}
         rec = RequestRecord(session_id, index, self.now())
-        t_start = time.monotonic()
+        t_start = time.perf_counter()
         t_last: float | None = None
         try:
             async with client.stream(
@@ -295,7 +262,7 @@ class Replayer:
                         return rec
                     text = _chunk_text(chunk)
                     if text:
-                        t = time.monotonic()
+                        t = time.perf_counter()
                         if t_last is None:
                             rec.ttft_s = t - t_start
                         else:
@@ -315,7 +282,7 @@ class Replayer:
         except httpx.HTTPError as e:
             rec.error = f"{type(e).__name__}: {e}"[:200]
             return rec
-        rec.e2e_s = time.monotonic() - t_start
+        rec.e2e_s = time.perf_counter() - t_start
         if rec.ttft_s is None:
             rec.ttft_s = rec.e2e_s
         rec.ok = True

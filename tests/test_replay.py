@@ -141,22 +141,3 @@ def test_the_summary_splits_the_noisy_tenant_from_the_others() -> None:
     assert tenants["tenant-0"]["completed"] == 10 and tenants["others"]["completed"] == 10
     assert tenants["others"]["ttft_s"]["p90"] == pytest.approx(2 * percentiles([0.1 * (i + 1) for i in range(10)])["p90"])
     assert "tenants" not in summarize([rec("s1", 0.5)], wall_s=1.0)
-
-
-def test_a_fleets_pauses_are_taken_out_of_each_requests_times() -> None:
-    """A request's TTFT and end-to-end time lose the part of a pause inside them, the run its
-    pauses; a pause before a request or after its end leaves it as it was."""
-    from loadtest.replay import ReplayResult, RequestRecord
-
-    def rec(sent: float, ttft: float, e2e: float) -> RequestRecord:
-        return RequestRecord("s", 0, sent, ok=True, ttft_s=ttft, e2e_s=e2e)
-
-    records = [rec(0.0, 1.0, 3.0), rec(2.0, 0.5, 1.0), rec(5.0, 1.0, 2.0)]
-    res = ReplayResult(records, 10.0, 1.0, "t", "m", "w", started=100.0)
-    # Pauses at 100.5-100.7 (inside the first request's TTFT), 101.5-102.2 (its decode, and the
-    # second request's first 0.2 s), 108-109 (after every request), 112-113 (after the run).
-    paused = res.without_pauses([(112.0, 113.0), (101.5, 102.2), (100.5, 100.7), (108.0, 109.0)])
-    assert paused == pytest.approx(0.2 + 0.7 + 1.0)
-    assert res.wall_s == pytest.approx(10.0 - 1.9)
-    assert [(r.ttft_s, r.e2e_s) for r in records] == [
-        pytest.approx((0.8, 2.1)), pytest.approx((0.3, 0.8)), pytest.approx((1.0, 2.0))]

@@ -19,10 +19,7 @@ silently stretching steps.
 
 Every change to an engine's state is made under :data:`STATE_LOCK`: the bench's side channel
 (:mod:`loadtest.sim.state_server`) reads the engines from its own thread, so that its answers
-do not wait behind the event loop's backlog of token streams. Its questions are outside
-simulated time: while one is answered the engines' clocks stop (:data:`PAUSES`), and the
-bench takes the same intervals out of its client's measurements, so that a policy that asks
-(the oracle) is judged on its placement, not on what asking costs on this host.
+do not wait behind the event loop's backlog of token streams.
 
 Admission waits when the pool cannot hold a request's whole lifetime (prompt +
 planned output) next to what running requests still need; vLLM would admit and
@@ -52,25 +49,6 @@ FINISHED = None
 STATE_LOCK = threading.Lock()
 """Held by every change to the state of this process's engines and by the side channel's reads
 (one lock for all of them: an answer reads every engine of the process at one instant)."""
-
-
-class Pauses:
-    """The wall-clock intervals this process spent answering side-channel questions, during
-    which simulated time stands still for every engine of the process. Written by the
-    answering thread under :data:`STATE_LOCK` (so an engine reads a settled total when it
-    takes the lock), read by the engines' loop and by ``GET /debug/state/pauses``."""
-
-    def __init__(self) -> None:
-        self.total_s = 0.0
-        self.intervals: list[tuple[float, float]] = []
-        """(start, end) in ``time.monotonic()`` seconds, oldest first."""
-
-    def add(self, start: float, end: float) -> None:
-        self.intervals.append((start, end))
-        self.total_s += end - start
-
-
-PAUSES = Pauses()
 
 
 class EngineDead(RuntimeError):
@@ -144,7 +122,6 @@ class Engine:
         self._wake = asyncio.Event()
         self._ids = itertools.count()
         self._t0 = time.monotonic()
-        self._paused0 = PAUSES.total_s
         self.clock = 0.0
         self.lag = 0.0
         self.steps = 0
@@ -162,11 +139,7 @@ class Engine:
     # -- requests ---------------------------------------------------------------
 
     def wall_engine_time(self) -> float:
-        return self._wall_s(time.monotonic()) * self.config.speedup
-
-    def _wall_s(self, now: float) -> float:
-        """Wall seconds since this engine started, less the side channel's pauses since then."""
-        return now - self._t0 - (PAUSES.total_s - self._paused0)
+        return (time.monotonic() - self._t0) * self.config.speedup
 
     def now(self) -> float:
         """Engine time of an event happening now (wall time minus the current lag)."""
@@ -378,8 +351,8 @@ class Engine:
                 await self._wake.wait()
                 continue
             busy = True
-            # A pause during the sleep moves the step's end later in wall time: sleep again.
-            while (delay := end / speedup - self._wall_s(time.monotonic())) > 0:
+            delay = self._t0 + end / speedup - time.monotonic()
+            if delay > 0:
                 await asyncio.sleep(delay)
             with STATE_LOCK:
                 self.clock = end

@@ -37,7 +37,7 @@ from starlette.exceptions import HTTPException
 
 from indexer.hashing import to_int64
 from loadtest.sim.apis import Generating, Sampling, add_api_routes
-from loadtest.sim.engine import FINISHED, PAUSES, STATE_LOCK, EngineDead, SimRequest
+from loadtest.sim.engine import FINISHED, STATE_LOCK, EngineDead, SimRequest
 from loadtest.sim.fields import ApiError, error_body, error_response
 from loadtest.sim.fields import bool_field as _bool_field
 from loadtest.sim.fields import int_field as _int_field
@@ -311,7 +311,6 @@ def create_app(inst: Instance) -> FastAPI:
                 ask = _state_decoder.decode(raw)
                 t0 = time.perf_counter()
                 with STATE_LOCK:
-                    paused = time.monotonic()
                     asks = ask.engines if ask.engines is not None else [StateEngine(inst.spec.index, ask.ahead)]
                     prompt = state_prompt(ask.prompt)
                     answers: list[dict[str, Any] | None] = []
@@ -322,7 +321,6 @@ def create_app(inst: Instance) -> FastAPI:
                             continue
                         engine = peer.engine
                         answers.append(snapshot(engine, prompt, ahead_prompts(a.ahead, engine.received)))
-                    PAUSES.add(paused, time.monotonic())
                 inst.metrics.state_seconds.observe(time.perf_counter() - t0)
                 return 200, _json.encode({"engines": answers})
             except msgspec.ValidationError as e:
@@ -341,12 +339,6 @@ def create_app(inst: Instance) -> FastAPI:
             return {"side_channel": "kvrouter-sim", "received": inst.engine.received,
                     "block_size": inst.config.block_size, "process": inst.process_id, "index": inst.spec.index,
                     "state_url": inst.state_url}
-
-        @app.get("/debug/state/pauses")
-        async def state_pauses() -> dict[str, Any]:
-            """The intervals (``time.monotonic()`` seconds) this process stood still answering
-            questions: the bench takes them out of its client's times."""
-            return {"total_s": PAUSES.total_s, "intervals": list(PAUSES.intervals)}
 
         @app.post("/debug/state")
         async def state(request: Request) -> Response:
