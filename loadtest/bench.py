@@ -89,6 +89,7 @@ from loadtest.replay import (
 from loadtest.vllm_fleet import VllmFleet, VllmSpec
 from loadtest.workloads import Workload, WorkloadError
 from loadtest.policies import EXACT_STATE_POLICIES
+from loadtest.sim.world_clock import WorldClock
 
 DEFAULT_POLICIES = "round_robin,least_loaded,kv_aware"
 SIM_DEFAULT_POLICIES = DEFAULT_POLICIES + ",oracle"
@@ -267,15 +268,20 @@ def run_policy(workload: Workload, spec: FleetSpec | VllmSpec, policy: str, work
     simulated fleet (or ``live``, the real one, caches emptied); returns its results.json entry
     and plot data."""
     slug = policy.replace(":", "-")
+    world: WorldClock | None = None
     if policy in EXACT_STATE_POLICIES and isinstance(spec, FleetSpec):
-        spec = replace(spec, sim_args=[*spec.sim_args, SIDE_CHANNEL_ARG])
+        # The policy's questions stop the world (loadtest/sim/world_clock.py): engines and client alike.
+        (workdir / slug).mkdir(parents=True, exist_ok=True)
+        world = WorldClock(workdir / slug / "world-clock")
+        spec = replace(spec, sim_args=[*spec.sim_args, SIDE_CHANNEL_ARG, "--world-clock", world.path])
     with _fleet(spec, workdir / slug, live) as fleet, _router(fleet, policy, workdir / slug, weights, shape) as router:
         before = {e.name: _try(scrape, e.url + "/metrics") for e in fleet.engines}
         ttft_before = _engine_buckets(fleet, "vllm:time_to_first_token_seconds")
         sampler = EngineSampler(fleet, sample_interval_s, spec.speedup)
         replayer = (SpreadReplayer(router.urls, spec.model, speedup=speedup, time_scale=spec.speedup)
                     if isinstance(router, Replicas) else
-                    Replayer(router.url, spec.model, speedup=speedup, time_scale=spec.speedup))
+                    Replayer(router.url, spec.model, speedup=speedup, time_scale=spec.speedup,
+                             clock=world.now if world is not None else time.perf_counter))
         cpu = _CpuMeter(_pids(router), _pids(fleet))
         res = _run_with_progress(replayer, workload, sampler, label or policy, bars)
         cpu_ms = cpu.per_request_ms(len(res.records))
@@ -310,6 +316,7 @@ def run_policy(workload: Workload, spec: FleetSpec | VllmSpec, policy: str, work
                                       "vllm:request_queue_time_seconds_count"),
         "engine_max_clock_lag_s": sampler.max_lag_s,
         "side_channel_mean_ms": _per_request_ms(engine_metrics, "kvrouter_sim:debug_state_seconds"),
+        "side_channel_paused_s": world.paused_s() * spec.speedup if world is not None else None,
         "decision_reasons": {k: int(v) for k, v in sorted(reasons.items(), key=lambda kv: -kv[1])},
         "router_metrics": {k: v for k, v in router_metrics.items()
                            if k.startswith("kvrouter_") and not k.endswith(("_bucket", "_created"))},
@@ -321,6 +328,8 @@ def run_policy(workload: Workload, spec: FleetSpec | VllmSpec, policy: str, work
         result["replica_decisions"] = router.decisions
         result["sequenced_decisions"] = {k: int(v) for k, v in sequenced.items()}
         result["sequence_ms"] = sequence_ms
+    if world is not None:
+        world.close()
     write_records(res.records, workdir / f"records-{slug}.jsonl")
     return PolicyRun(result, report.PolicyTrace(policy, res.records, sampler.samples, spec.speedup))
 

@@ -24,6 +24,7 @@ import json
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -134,11 +135,19 @@ def _tenants(records: list[RequestRecord], scale: float) -> dict[str, dict[str, 
     return out
 
 
+PAUSED_S = 1e-4
+"""Time still to wait after a sleep that tells a stopped clock from a timer's early wake-up."""
+
+
 class Replayer:
     """Runs one workload against one endpoint; one instance per run.
 
     ``think=False`` sends a session's next turn as soon as the previous answer is in
     (a saturation run); by default the turn's think time is waited first.
+
+    ``clock`` times everything, the schedule and every measurement: the wall clock, or a
+    simulated fleet's :class:`loadtest.sim.world_clock.WorldClock`, which the bench's oracle
+    stops while it asks a question (arrivals wait and TTFTs do not grow meanwhile).
     """
 
     def __init__(
@@ -154,6 +163,7 @@ class Replayer:
         headers: dict[str, str] | None = None,
         on_done: Any = None,
         think: bool = True,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         if speedup <= 0:
             raise ValueError(f"speedup must be > 0, got {speedup}")
@@ -171,23 +181,35 @@ class Replayer:
         self.on_done = on_done
         self.think = think
         self.records: list[RequestRecord] = []
+        self.clock = clock
         self._t0 = 0.0
 
     async def run(self, workload: Workload) -> ReplayResult:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
         timeout = httpx.Timeout(self.timeout_s, connect=10.0)
         async with httpx.AsyncClient(limits=limits, timeout=timeout, headers=self.headers) as client:
-            self._t0 = time.perf_counter()
+            self._t0 = self.clock()
             if self.concurrency is None:
                 await self._open_loop(client, workload)
             else:
                 await self._closed_loop(client, workload, self.concurrency)
-            wall = time.perf_counter() - self._t0
+            wall = self.clock() - self._t0
         return ReplayResult(self.records, wall, self.time_scale, self.target, self.model, workload.name)
 
     def now(self) -> float:
-        """Wall seconds since the run started."""
-        return time.perf_counter() - self._t0
+        """Seconds since the run started, on :attr:`clock`."""
+        return self.clock() - self._t0
+
+    async def sleep_until(self, t: float) -> None:
+        """Sleep until :meth:`now` reaches ``t``, again after a wake-up that finds the clock
+        stood still meanwhile (in half milliseconds at least: a pause lasts milliseconds)."""
+        delay = t - self.now()
+        while delay > 0:
+            await asyncio.sleep(delay)
+            if (delay := t - self.now()) > PAUSED_S:
+                delay = max(delay, 0.0005)
+            else:
+                break
 
     async def _open_loop(self, client: httpx.AsyncClient, workload: Workload) -> None:
         if not workload.sessions:
@@ -195,9 +217,7 @@ class Replayer:
         t_first = workload.sessions[0].start_s
 
         async def start(s: Session) -> None:
-            delay = (s.start_s - t_first) / self.speedup - self.now()
-            if delay > 0:
-                await asyncio.sleep(delay)
+            await self.sleep_until((s.start_s - t_first) / self.speedup)
             await self._session(client, s)
 
         await asyncio.gather(*(start(s) for s in workload.sessions))
@@ -216,7 +236,7 @@ class Replayer:
     async def _session(self, client: httpx.AsyncClient, s: Session) -> None:
         for i, turn in enumerate(s.turns):
             if i and turn.think_s > 0 and self.think:
-                await asyncio.sleep(turn.think_s / self.speedup)
+                await self.sleep_until(self.now() + turn.think_s / self.speedup)
             rec = await self.send(client, turn, s.session_id, i)
             self.records.append(rec)
             if self.on_done is not None:
@@ -232,7 +252,7 @@ class Replayer:
         """Stream one request; never raises for HTTP or network trouble (it lands in the record)."""
         body = {**turn.body, "model": self.model, "stream": True, "stream_options": {"include_usage": True}}
         rec = RequestRecord(session_id, index, self.now())
-        t_start = time.perf_counter()
+        t_start = self.clock()
         t_last: float | None = None
         try:
             async with client.stream(
@@ -262,7 +282,7 @@ class Replayer:
                         return rec
                     text = _chunk_text(chunk)
                     if text:
-                        t = time.perf_counter()
+                        t = self.clock()
                         if t_last is None:
                             rec.ttft_s = t - t_start
                         else:
@@ -282,7 +302,7 @@ class Replayer:
         except httpx.HTTPError as e:
             rec.error = f"{type(e).__name__}: {e}"[:200]
             return rec
-        rec.e2e_s = time.perf_counter() - t_start
+        rec.e2e_s = self.clock() - t_start
         if rec.ttft_s is None:
             rec.ttft_s = rec.e2e_s
         rec.ok = True

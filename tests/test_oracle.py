@@ -27,6 +27,7 @@ from loadtest.fleet import LAB_POLICIES
 from loadtest.sim.engine import Engine, EngineConfig
 from loadtest.sim.generation import PlannedOutput
 from loadtest.sim.state import Prompt, snapshot
+from loadtest.sim.world_clock import WorldClock
 from support import KVROUTER, QWEN3_DIR, REPO, Proc, free_port, wait_http
 
 MODEL = "qwen3"
@@ -324,6 +325,36 @@ def test_the_oracle_routes_to_the_earliest_predicted_first_token(two_engines: An
         t.join(120)
 
 
+def test_the_oracles_questions_stop_the_world_clock(sim_fleet, tmp_path: Path) -> None:
+    """On a simulator that keeps a world clock, the oracle stops it for each whole question:
+    the clock stood still at least as long as the simulator spent answering, less than the
+    decisions took, and moves again once they are made."""
+    path = tmp_path / "world-clock"
+    world = WorldClock(path)
+    sim = sim_fleet("--debug-state", "--world-clock", str(path), "--speedup", "1", instances=2)
+    assert httpx.get(sim.http() + "/debug/state").json()["world_clock"] == str(path)
+    with _serve(sim, "oracle", tmp_path) as proc:
+        wait_http(proc.url + "/health", timeout=120, proc=proc.popen)
+        assert world.paused_s() == 0.0
+        t0 = time.monotonic()
+        for i in range(8):
+            assert _route(proc.url, [1 + (i * 977 + j) % 30_000 for j in range(3000)])["reason"] == "oracle"
+        elapsed = time.monotonic() - t0
+    paused = world.paused_s()
+    answering = _metric(sim.http(), "kvrouter_sim:debug_state_seconds_sum")
+    assert 0 < answering <= paused < elapsed
+    t = world.now()
+    time.sleep(0.05)
+    assert world.now() - t >= 0.045
+
+
+def _metric(url: str, name: str) -> float:
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in {url}/metrics")
+
+
 def test_kv_aware_with_exact_state_sees_load_the_router_did_not_send(two_engines: Any, tmp_path: Path) -> None:
     with _serve(two_engines, "kv_aware+exact", tmp_path) as proc:
         wait_http(proc.url + "/health", timeout=120, proc=proc.popen)
@@ -377,6 +408,8 @@ def test_bench_runs_the_oracle_and_reports_each_policys_share_of_its_gain(tmp_pa
     oracle = runs["oracle"]
     assert oracle["requests"] == 40 and oracle["errors"] == 0
     assert oracle["decision_reasons"].get("oracle", 0) >= 40 and "no_state" not in oracle["decision_reasons"]
+    # Its questions stopped the fleet's and the client's clock (loadtest/sim/world_clock.py).
+    assert oracle["side_channel_paused_s"] > 0 and runs["round_robin"]["side_channel_paused_s"] is None
     assert results["meta"]["workload"] == "mixed (seed 1001, held-out)"
     for run in runs.values():
         assert set(run["oracle_gain"]) == {"ttft_p90", "engine_ttft_p90"}

@@ -26,11 +26,17 @@ received yet (it counts what it received; sent within the last second), so two
 decisions a few milliseconds apart see each other, as they do in the router's own load
 accounting. They travel by id: every prompt was the subject of an earlier question to
 the same simulator process, which remembers it.
+
+Questions are outside simulated time: where the simulator keeps time by a world clock
+(:mod:`loadtest.sim.world_clock`, ``world_clock`` in its ``GET /debug/state``), each question
+stops it, for the engines and the bench's client alike, so that the oracle is judged on where
+it places requests, not on what asking costs on the bench's host.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.client
 import logging
 import random
@@ -43,6 +49,7 @@ from urllib.parse import urlsplit
 import aiohttp
 import msgspec
 
+from loadtest.sim.world_clock import WorldClock
 from router.fleet.load import BackendLoad
 
 log = logging.getLogger(__name__)
@@ -121,6 +128,8 @@ class SideChannel:
         """One keep-alive connection per simulator process, used from the router's loop thread only."""
         self._next_id = random.getrandbits(40) << 20
         """Prompt ids: random high bits, so two clients of one simulator never share one."""
+        self._clocks: dict[str, WorldClock] = {}
+        """The world clocks the simulators keep time by, stopped while a question is asked."""
 
     async def start(self, policy: str) -> None:
         """Open the session and check that every backend serves the channel."""
@@ -140,6 +149,8 @@ class SideChannel:
                         self._received[name] = int(body["received"])
                         self._ask_urls[name] = str(body.get("state_url") or url + STATE_PATH)
                         self._index[name] = int(body["index"])
+                        if body.get("world_clock") and body["world_clock"] not in self._clocks:
+                            self._clocks[body["world_clock"]] = WorldClock(body["world_clock"])
                         groups.setdefault(str(body["process"]), []).append(name)
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError) as e:
                 why = f"cannot be asked ({e!r})"
@@ -155,6 +166,9 @@ class SideChannel:
         for conn in self._conns.values():
             conn.close()
         self._conns.clear()
+        for clock in self._clocks.values():
+            clock.close()
+        self._clocks.clear()
         if self.session is not None:
             await self.session.close()
             self.session = None
@@ -173,7 +187,10 @@ class SideChannel:
         self._prompts[key] = pid
         if len(self._prompts) > 4 * AHEAD_KEPT:
             self._prompts.popitem(last=False)
-        answers = [self._ask(names, prompt) for names in self._groups]
+        with contextlib.ExitStack() as stopped:
+            for clock in self._clocks.values():
+                stopped.enter_context(clock.pause())
+            answers = [self._ask(names, prompt) for names in self._groups]
         return {name: state for names, states in zip(self._groups, answers) for name, state in zip(names, states)}
 
     def sent(self, key: int, backend: str) -> None:

@@ -69,6 +69,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--debug-state", action="store_true",
                    help="serve POST /debug/state: each engine's exact state and predicted TTFT for a prompt, the side "
                         "channel of kvrouter bench's oracle policy (a real vLLM has none)")
+    p.add_argument("--world-clock", metavar="PATH",
+                   help="keep engine time by the world clock in PATH, which the oracle stops while it asks /debug/state "
+                        "(kvrouter bench sets it; loadtest/sim/world_clock.py)")
     p.add_argument("--log-level", default="warning")
 
 
@@ -144,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         mean_output_tokens=args.mean_output_tokens,
         debug_state=args.debug_state,
+        world_clock=args.world_clock,
     )
     zmq_host = "*" if args.host in ("0.0.0.0", "::") else args.host
     specs = instance_specs(args.host, zmq_host, args.port, args.kv_events_port, args.replay_port, args.instances)

@@ -110,6 +110,7 @@ class Engine:
         publish: Callable[[list[CacheRecord]], None] | None = None,
         metrics: EngineMetrics | None = None,
         paused: Callable[[], float] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
         self.hasher = hasher
@@ -121,7 +122,10 @@ class Engine:
         self.running: list[SimRequest] = []
         self._wake = asyncio.Event()
         self._ids = itertools.count()
-        self._t0 = time.monotonic()
+        self._wall = clock
+        """Wall seconds: ``time.monotonic``, or a :class:`loadtest.sim.world_clock.WorldClock` that the
+        bench's oracle stops while it asks a question, so that no step ends during one."""
+        self._t0 = clock()
         self.clock = 0.0
         self.lag = 0.0
         self.steps = 0
@@ -139,7 +143,7 @@ class Engine:
     # -- requests ---------------------------------------------------------------
 
     def wall_engine_time(self) -> float:
-        return (time.monotonic() - self._t0) * self.config.speedup
+        return (self._wall() - self._t0) * self.config.speedup
 
     def now(self) -> float:
         """Engine time of an event happening now (wall time minus the current lag)."""
@@ -351,9 +355,15 @@ class Engine:
                 await self._wake.wait()
                 continue
             busy = True
-            delay = self._t0 + end / speedup - time.monotonic()
-            if delay > 0:
+            delay = self._t0 + end / speedup - self._wall()
+            while delay > 0:
                 await asyncio.sleep(delay)
+                # A pause of the world clock during the sleep moved the step's end later: wait it
+                # out in half milliseconds (the step ends on engine time whenever the loop wakes).
+                if (delay := self._t0 + end / speedup - self._wall()) > 1e-4:
+                    delay = max(delay, 0.0005)
+                else:
+                    break
             with STATE_LOCK:
                 self.clock = end
                 self.lag = max(0.0, self.wall_engine_time() - end)

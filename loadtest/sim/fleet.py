@@ -28,6 +28,7 @@ from loadtest.sim.http import create_app
 from loadtest.sim.metrics import EngineMetrics
 from loadtest.sim.publisher import EventPublisher
 from loadtest.sim.state_server import StateServer
+from loadtest.sim.world_clock import WorldClock
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,9 @@ class FleetSettings:
     mean_output_tokens: float = 128.0
     debug_state: bool = False
     """Serve ``/debug/state``, the exact-state side channel of the bench's oracle (:mod:`loadtest.sim.state`)."""
+    world_clock: str | None = None
+    """The file of a :class:`loadtest.sim.world_clock.WorldClock` the engines keep time by (the
+    oracle stops it while it asks), announced to side-channel clients; None: the wall clock."""
 
 
 class _Server(uvicorn.Server):
@@ -114,7 +118,8 @@ class Instance:
                 faults=self.faults,
             )
         publish = self.publisher.publish if self.publisher is not None else None
-        self.engine = Engine(self.config, self.hasher, publish, self.metrics, self.faults.pause_left)
+        clock = WorldClock(s.world_clock).now if s.world_clock else time.monotonic
+        self.engine = Engine(self.config, self.hasher, publish, self.metrics, self.faults.pause_left, clock)
         config = uvicorn.Config(
             self.app, host=spec.host, port=spec.port, log_level="warning", access_log=False,
             lifespan="off", timeout_graceful_shutdown=1, timeout_keep_alive=30,

@@ -338,7 +338,7 @@ def create_app(inst: Instance) -> FastAPI:
         async def state_info() -> dict[str, Any]:
             return {"side_channel": "kvrouter-sim", "received": inst.engine.received,
                     "block_size": inst.config.block_size, "process": inst.process_id, "index": inst.spec.index,
-                    "state_url": inst.state_url}
+                    "state_url": inst.state_url, "world_clock": inst.settings.world_clock}
 
         @app.post("/debug/state")
         async def state(request: Request) -> Response:
