@@ -12,7 +12,8 @@ the fleet completes while every slot is busy; the workload's clock is then scale
 its mean arrival rate is ``F x capacity``. The capacity is measured under round_robin,
 the cache-oblivious baseline, so every policy is offered the same load and a policy
 that reuses more cache simply has more headroom. For multi-turn workloads the scaling
-applies to session starts (think times are kept).
+applies to session starts and think times alike (:meth:`Workload.rate_scaled`), and the
+rate is that of a fleet that answers at once: a session's next turn waits for its answer.
 
 ``--sweep L1,L2,... --slo-ttft-p90-ms MS`` replays the workload once per policy at each
 load, multiples of round_robin's measured capacity (measured once, as for ``--target-load``)

@@ -578,7 +578,11 @@ def rate_scale_for(opt: ChaosOptions, given: float | None, log: Callable[[str], 
         wl = mixed(opt.workload, seed=opt.seed, max_requests=400)
         log("measuring fleet capacity (closed-loop saturation, round_robin) ...")
         cap = measure_capacity(wl, fleet_spec(opt), opt.out / "work" / "capacity")
-        scale = opt.target_load * cap.requests_per_s / wl.arrival_rate
+        # The traffic (loadtest/chaos_traffic.py) compresses session starts only, keeping think
+        # times: a stream of sessions for a set time, not one trace replayed faster, so its scale
+        # is taken against the requests per second of session starts.
+        starts = wl.sessions[-1].start_s - wl.sessions[0].start_s
+        scale = opt.target_load * cap.requests_per_s / (wl.num_requests / starts)
         log(f"capacity {cap.requests_per_s:.2f} req/engine-s -> rate scale {scale:.3f} at load {opt.target_load}")
         meta.update({"capacity_req_per_engine_s": cap.requests_per_s, "target_load": opt.target_load})
     meta["rate_scale"] = scale

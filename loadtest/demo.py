@@ -11,9 +11,9 @@ and writes ``capacity.png``. Sized to finish in about five minutes on two cores.
 The slice is shaped so that a short sweep on one small machine measures the fleet:
 
 * **Shorter sessions and think times** (chats of 2 turns on average, agent loops of 3 steps,
-  a quarter of the default think times). The sweep scales how often sessions start, not how
-  long a session runs; with the defaults a 200-request slice's long conversations go on long
-  after its last session started, so the load stops rising with the sweep.
+  a quarter of the default think times). A 200-request slice then holds many sessions rather
+  than a few long conversations, so its load is spread over the run instead of trailing off
+  in the last sessions' thinks (the sweep runs the whole trace faster, thinks included).
 * **Short answers** (a tenth of the default output lengths). Every streamed token costs the
   client, router and simulator processes CPU on the same two cores; at 3x with full answers
   they, not the engines, would be the bottleneck. Prompts keep their length, so prefill, where

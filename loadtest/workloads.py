@@ -85,11 +85,18 @@ class Workload:
 
     @property
     def duration_s(self) -> float:
-        return self.sessions[-1].start_s - self.sessions[0].start_s if self.sessions else 0.0
+        """The span of the requests' arrivals on the trace clock, each turn arriving its think
+        time after the one before as if answers took no time (a session's later turns count:
+        starts alone understate a multi-turn workload's span and overstate its rate)."""
+        if not self.sessions:
+            return 0.0
+        first = self.sessions[0].start_s
+        return max(s.start_s + sum(t.think_s for t in s.turns[1:]) for s in self.sessions) - first
 
     @property
     def arrival_rate(self) -> float:
-        """Requests per trace-clock second over the span of session starts (0 if a single instant)."""
+        """Requests per trace-clock second over :attr:`duration_s` (0 if a single instant): the
+        rate offered to a fleet that answers at once; a slower one sees a session's next turn later."""
         span = self.duration_s
         return self.num_requests / span if span > 0 else 0.0
 
@@ -107,13 +114,20 @@ class Workload:
         return replace(self, sessions=out)
 
     def rate_scaled(self, rate_scale: float) -> Workload:
-        """Session starts compressed by ``rate_scale`` (the arrival rate times ``rate_scale``)."""
+        """The trace's clock run ``rate_scale`` times faster: session starts *and* think times
+        divided by it, so the arrival rate is multiplied by it. Compressing starts alone leaves
+        each session's chain of think times as long as it was: past a point the sessions all
+        overlap, and a 3x "rate" offered a multi-turn workload 1.4x its requests per second.
+        The cost of a faster clock: a session's next turn comes sooner, so its cache has less
+        time to be evicted, as in any trace replayed faster."""
         if rate_scale <= 0:
             raise WorkloadError(f"rate scale must be > 0, got {rate_scale}")
         if rate_scale == 1.0 or not self.sessions:
             return self
         t0 = self.sessions[0].start_s
-        scaled = [replace(s, start_s=t0 + (s.start_s - t0) / rate_scale) for s in self.sessions]
+        scaled = [replace(s, start_s=t0 + (s.start_s - t0) / rate_scale,
+                          turns=tuple(replace(t, think_s=t.think_s / rate_scale) for t in s.turns))
+                  for s in self.sessions]
         return replace(self, sessions=scaled)
 
     def turns(self) -> Iterator[Turn]:

@@ -163,6 +163,22 @@ def test_head_and_rate_scale() -> None:
     assert fast.arrival_rate == pytest.approx(wl.arrival_rate * 2)
 
 
+def test_a_faster_clock_multiplies_a_multi_turn_workloads_request_rate() -> None:
+    """Session starts and think times scale alike: every turn's arrival (at zero latency) comes
+    ``k`` times sooner, so the rate is ``k`` times higher; the span counts each session's
+    thinks, not only its start."""
+    wl = w.mixed(w.MixedSpec(), seed=0, max_requests=200)
+    arrivals = sorted(s.start_s + sum(t.think_s for t in s.turns[1:i + 1]) for s in wl.sessions
+                      for i in range(len(s.turns)))
+    assert wl.duration_s == pytest.approx(arrivals[-1] - arrivals[0])
+    assert wl.duration_s > 1.5 * (wl.sessions[-1].start_s - wl.sessions[0].start_s)  # the thinks matter here
+    fast = wl.rate_scaled(3.0)
+    assert fast.arrival_rate == pytest.approx(wl.arrival_rate * 3)
+    for s, f in zip(wl.sessions, fast.sessions):
+        assert [t.think_s / 3 for t in s.turns] == pytest.approx([t.think_s for t in f.turns])
+        assert [t.body for t in s.turns] == [t.body for t in f.turns]
+
+
 def test_ideal_cached_tokens_counts_prefix_blocks_and_never_the_whole_prompt() -> None:
     a = list(range(64))
     assert w.ideal_cached_tokens([a, a], 16) == (48, 128)  # 4 blocks seen, 3 reusable (last token)
