@@ -32,6 +32,7 @@ from typing import Any
 import httpx
 
 from loadtest import workloads
+from loadtest.sim.world_clock import sleep_until
 from loadtest.workloads import Session, Turn, Workload, WorkloadError, tenant_of
 
 BACKEND_HEADER = "x-kvrouter-backend"
@@ -135,10 +136,6 @@ def _tenants(records: list[RequestRecord], scale: float) -> dict[str, dict[str, 
     return out
 
 
-PAUSED_S = 1e-4
-"""Time still to wait after a sleep that tells a stopped clock from a timer's early wake-up."""
-
-
 class Replayer:
     """Runs one workload against one endpoint; one instance per run.
 
@@ -201,15 +198,8 @@ class Replayer:
         return self.clock() - self._t0
 
     async def sleep_until(self, t: float) -> None:
-        """Sleep until :meth:`now` reaches ``t``, again after a wake-up that finds the clock
-        stood still meanwhile (in half milliseconds at least: a pause lasts milliseconds)."""
-        delay = t - self.now()
-        while delay > 0:
-            await asyncio.sleep(delay)
-            if (delay := t - self.now()) > PAUSED_S:
-                delay = max(delay, 0.0005)
-            else:
-                break
+        """Sleep until :meth:`now` reaches ``t`` (on a world clock, however long it stands still)."""
+        await sleep_until(self._t0 + t, self.clock)
 
     async def _open_loop(self, client: httpx.AsyncClient, workload: Workload) -> None:
         if not workload.sessions:

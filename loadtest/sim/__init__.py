@@ -12,5 +12,6 @@ Modules, one job each:
 * :mod:`loadtest.sim.http`: the FastAPI app of ``vllm serve``.
 * :mod:`loadtest.sim.apis`: its ``/v1/responses`` (stored responses) and ``/v1/messages``.
 * :mod:`loadtest.sim.fields`: request fields and errors as vLLM checks and answers them.
+* :mod:`loadtest.sim.world_clock`: the clock the bench's oracle stops while it asks (engines and client).
 * :mod:`loadtest.sim.cli`: ``kvrouter sim``, K engines in one asyncio process.
 """

@@ -41,6 +41,7 @@ from loadtest.sim.block_manager import BlockManager, CacheRecord, CacheRequest
 from loadtest.sim.generation import PlannedOutput
 from loadtest.sim.latency import LatencyModel
 from loadtest.sim.metrics import EngineMetrics
+from loadtest.sim.world_clock import sleep_until
 
 FINISHED = None
 """Sentinel pushed to a request's sink after its last token."""
@@ -355,15 +356,8 @@ class Engine:
                 await self._wake.wait()
                 continue
             busy = True
-            delay = self._t0 + end / speedup - self._wall()
-            while delay > 0:
-                await asyncio.sleep(delay)
-                # A pause of the world clock during the sleep moved the step's end later: wait it
-                # out in half milliseconds (the step ends on engine time whenever the loop wakes).
-                if (delay := self._t0 + end / speedup - self._wall()) > 1e-4:
-                    delay = max(delay, 0.0005)
-                else:
-                    break
+            # A pause of the world clock during the sleep moves the step's end later.
+            await sleep_until(self._t0 + end / speedup, self._wall)
             with STATE_LOCK:
                 self.clock = end
                 self.lag = max(0.0, self.wall_engine_time() - end)

@@ -21,13 +21,14 @@ copy: a lock or a socket per read would be felt on every token the client times.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
 import mmap
 import os
 import struct
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 _LAYOUT = struct.Struct("<QddQ")
@@ -35,6 +36,21 @@ _LAYOUT = struct.Struct("<QddQ")
 pause's start (``time.monotonic()``; 0 when none), how many askers are pausing now."""
 _SEQ = struct.Struct("<Q")
 _FIELDS = struct.Struct("<ddQ")
+EARLY_S = 1e-4
+"""Time still to wait after a sleep that tells a stopped clock from a timer's early wake-up."""
+STEP_S = 0.0005
+"""How long to sleep again while the clock stands still (a pause lasts milliseconds)."""
+
+
+async def sleep_until(deadline: float, clock: Callable[[], float]) -> None:
+    """Sleep until ``clock()`` reaches ``deadline``, again after a wake-up that finds the clock
+    stood still meanwhile. With the wall clock this is one sleep."""
+    delay = deadline - clock()
+    while delay > 0:
+        await asyncio.sleep(delay)
+        if (delay := deadline - clock()) <= EARLY_S:
+            return
+        delay = max(delay, STEP_S)
 
 
 class WorldClock:
