@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import random
 import time
@@ -62,6 +63,12 @@ class FleetSettings:
     world_clock: str | None = None
     """The file of a :class:`loadtest.sim.world_clock.WorldClock` the engines keep time by (the
     oracle stops it while it asks), announced to side-channel clients; None: the wall clock."""
+
+
+@functools.cache
+def _world_clock(path: str) -> WorldClock:
+    """One mapping of the world clock per process, shared by its engines and their restarts."""
+    return WorldClock(path)
 
 
 class _Server(uvicorn.Server):
@@ -118,7 +125,7 @@ class Instance:
                 faults=self.faults,
             )
         publish = self.publisher.publish if self.publisher is not None else None
-        clock = WorldClock(s.world_clock).now if s.world_clock else time.monotonic
+        clock = _world_clock(s.world_clock).now if s.world_clock else time.monotonic
         self.engine = Engine(self.config, self.hasher, publish, self.metrics, self.faults.pause_left, clock)
         config = uvicorn.Config(
             self.app, host=spec.host, port=spec.port, log_level="warning", access_log=False,
