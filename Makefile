@@ -172,7 +172,7 @@ SLO_VLLM ?= 1000
 bench-capacity-vllm: install vllm
 	$(BENCH_LOCK) $(BIN)/kvrouter bench --fleet vllm --out $(BENCH_OUT)/capacity-vllm --workload sharegpt \
 	  --max-requests 80 --max-output-tokens 32 --session-rate 0.5 --think-time 2 --policies round_robin,kv_aware \
-	  --sweep 0.8,1.6,3.0 --slo-ttft-p90-ms $(SLO_VLLM) --quiet
+	  --sweep 0.8,1.6,3.0 --slo-ttft-p90-ms $(SLO_VLLM) --repeats $(REPEATS) --quiet
 
 # Issue 17: the seven fault scenarios (~12 min), the 1-hour soak at 80% load, and 1 vs 3 router
 # replicas on one Redis index (~16 min). `make test` runs each scenario scaled down (~5 min).

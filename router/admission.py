@@ -17,7 +17,15 @@ each counted at the mean queued prompt. Dynamo's router queue gates on the same 
 Order when a backend frees: lower ``priority`` first (vLLM's request field, lower is
 served first as in vLLM's priority scheduling), then tenants in turn (the tenant of
 ``router.tenants`` the client's key names, else the body's ``user``, else a hash of the
-client's ``Authorization``), then arrival. One request is let
+client's ``Authorization``), then, within a tenant, the earliest *deadline*: its arrival
+plus the queue's recent wait scaled by its prefill against the mean (the prompt tokens no
+backend holds, from the index). Under a burst the time to first token of most requests is
+set by the work queued ahead of them: a short prefill (a chat's next turn, a cached
+document's question) let through before a long one (a new 10k-token context) waits less
+and makes the long one wait little more, so the percentiles below the longest requests fall
+(shortest-job-first). The deadline ages every request: a long one that has waited the
+recent wait beyond its share goes before newer short ones, and with no recent wait (a
+queue that has just formed) the order is arrival. One request is let
 through at a time and the next waits until it holds its load ticket, so each busy check
 counts the previous one's tokens. A request over ``queue_max_waiting`` or waiting past
 ``queue_timeout_s`` gets 429 with ``Retry-After``; one whose client disconnects leaves the
@@ -32,6 +40,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import hashlib
+import heapq
+import itertools
 import math
 import time
 from collections.abc import Awaitable, Callable
@@ -60,6 +70,8 @@ class Pass:
     priority: int = 0
     tenant: str = ""
     arrived: float = 0.0
+    deadline: float = 0.0
+    """When it should go, relative to the others of its tenant (see the module docstring)."""
     released: asyncio.Future[None] | None = None
     done: asyncio.Event = field(default_factory=asyncio.Event)
     waited: float = 0.0
@@ -85,10 +97,13 @@ class ModelQueue:
         self.busy_tokens = busy_tokens
         self.max_waiting = max_waiting
         self.timeout_s = timeout_s
-        self._bands: dict[int, collections.OrderedDict[str, collections.deque[Pass]]] = {}
+        self._bands: dict[int, collections.OrderedDict[str, list[tuple[float, int, Pass]]]] = {}
+        """Priority band -> tenant in turn -> that tenant's heap of (deadline, arrival number, pass)."""
         self.depth = 0
         self._task: asyncio.Task[None] | None = None
         self._wait_ewma = 0.0
+        self._size_ewma = 0.0
+        self._arrivals = itertools.count()
 
     def busy(self) -> bool:
         """Whether every healthy backend of the model is busy (see the module docstring)."""
@@ -104,15 +119,23 @@ class ModelQueue:
                 return False
         return bool(names)
 
-    async def admit(self, priority: int, tenant: str, disconnected: Callable[[], Awaitable[Any]] | None) -> Pass:
-        """Return at once while nobody waits and a backend is not busy; else wait in turn."""
+    def would_wait(self) -> bool:
+        """Whether a request arriving now waits (then :meth:`admit` wants its prefill size)."""
+        return self.depth > 0 or self.busy()
+
+    async def admit(self, priority: int, tenant: str, disconnected: Callable[[], Awaitable[Any]] | None,
+                    prefill_tokens: int = 0) -> Pass:
+        """Return at once while nobody waits and a backend is not busy; else wait in turn.
+        ``prefill_tokens``: the prompt tokens no backend holds, which orders a tenant's waiting
+        requests (shortest first, aged by their wait)."""
         if self.depth == 0 and not self.busy():
             return OPEN
         if self.depth >= self.max_waiting:
             self._count("full")
             raise Overloaded(f"the router's queue for model {self.model!r} is full ({self.depth} waiting)",
                              retry_after_s=self._retry_after(), code="queue_full")
-        p = Pass(self, priority, tenant, time.monotonic(), asyncio.get_running_loop().create_future())
+        now = time.monotonic()
+        p = Pass(self, priority, tenant, now, self._deadline(now, prefill_tokens), asyncio.get_running_loop().create_future())
         self._push(p)
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._dispatch_forever())
@@ -140,19 +163,25 @@ class ModelQueue:
         raise Overloaded(f"waited {self.timeout_s:g} s in the router's queue for model {self.model!r}",
                          retry_after_s=self._retry_after(), code="queue_timeout")
 
+    def _deadline(self, now: float, prefill_tokens: int) -> float:
+        """Arrival plus the recent wait times this request's share of the mean prefill."""
+        size = max(0, prefill_tokens)
+        self._size_ewma = size if self._size_ewma <= 0 else self._size_ewma + 0.1 * (size - self._size_ewma)
+        return now + (self._wait_ewma * size / self._size_ewma if self._size_ewma > 0 else 0.0)
+
     def _push(self, p: Pass) -> None:
         band = self._bands.setdefault(p.priority, collections.OrderedDict())
-        band.setdefault(p.tenant, collections.deque()).append(p)
+        heapq.heappush(band.setdefault(p.tenant, []), (p.deadline, next(self._arrivals), p))
         self._resize(1)
 
     def _pop(self) -> Pass | None:
         """The next request: the lowest priority band, its next tenant in turn, that
-        tenant's oldest (the tenant then moves to the back of the band's rotation)."""
+        tenant's earliest deadline (the tenant then moves to the back of the band's rotation)."""
         while self._bands:
             prio = min(self._bands)
             band = self._bands[prio]
             tenant, line = next(iter(band.items()))
-            p = line.popleft()
+            p = heapq.heappop(line)[2]
             band.move_to_end(tenant)
             if not line:
                 del band[tenant]
@@ -167,8 +196,11 @@ class ModelQueue:
         """Take ``p`` out (its wait ended without a release), if it is still in."""
         band = self._bands.get(p.priority)
         line = band.get(p.tenant) if band is not None else None
-        if line is not None and p in line:
-            line.remove(p)
+        at = next((i for i, entry in enumerate(line) if entry[2] is p), None) if line is not None else None
+        if line is not None and at is not None:
+            line[at] = line[-1]
+            line.pop()
+            heapq.heapify(line)
             if not line:
                 del band[p.tenant]  # type: ignore[union-attr]
             if not band:

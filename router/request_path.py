@@ -97,8 +97,9 @@ class RequestPath:
         queue = self.queues.get(rt.name) if act else None
         admitted = OPEN
         if queue is not None:  # 4. look up, once the queue lets it through
+            size = await self._uncached(rt, plan) if queue.would_wait() else 0
             admitted = await queue.admit(priority_of(body), tenant_of(body, headers.get("authorization"), tenant),
-                                       disconnected)
+                                       disconnected, size)
         try:
             d = await self._choose(q, plan, headers, act, started)
         except BaseException:
@@ -178,6 +179,15 @@ class RequestPath:
         for key in ("prepare_s", "deferred_tokens"):
             if key in before.detail:
                 d.decision.detail[key] = before.detail[key]
+
+    async def _uncached(self, rt: ModelRuntime, plan: Plan) -> int:
+        """The prompt tokens no backend holds, by the index now: what orders a request in the
+        admission queue (looked up again when it is let through, on the index of that moment)."""
+        if not plan.keys:
+            return plan.num_tokens
+        hits, _ = await self._look_up(rt, plan.keys)
+        held = max((sum(tiers.values()) for tiers in hits.values()), default=0)
+        return max(0, plan.num_tokens - held * rt.config.block_size)
 
     async def _look_up(self, rt: ModelRuntime, keys: list[int]) -> tuple[dict[Worker, dict[str, int]], float]:
         t0 = time.perf_counter()

@@ -81,6 +81,45 @@ def test_the_queue_lets_requests_through_by_priority_then_tenant_in_turn_then_ar
         proc.stop()
 
 
+def test_within_a_tenant_a_short_prefill_goes_before_a_long_one_once_the_queue_has_waited(
+        sim_fleet: Any, tmp_path: Path) -> None:
+    """A tenant's waiting requests go by deadline: arrival plus the queue's recent wait scaled by
+    the request's uncached prompt against the mean. The first round gives the queue a recent
+    wait (and shows that, without one, order is arrival); in the second a short question that
+    arrives after a fresh 2,500-token prompt goes first."""
+    sim = sim_fleet("--speedup", "0.25")
+    proc, url = serve(sim, tmp_path)
+    try:
+        async def run() -> list[list[str]]:
+            rounds: list[list[str]] = []
+            async with httpx.AsyncClient(timeout=60) as c:
+                async def one(done: list[str], name: str, prompt: str) -> None:
+                    r = await complete(c, url, prompt, user="a")
+                    assert r.status_code == 200, r.text
+                    done.append(name)
+
+                for blocker, first, second in [
+                    (LONG, ("long-1", "first fresh context " * 400), ("short-1", "question one " * 10)),
+                    ("another long text to prefill " * 500, ("long-2", "second fresh context " * 400),
+                     ("short-2", "question two " * 10)),
+                ]:
+                    done: list[str] = []
+                    head = asyncio.ensure_future(one(done, "blocker", blocker))
+                    await asyncio.sleep(0.1)  # the blocker is in prefill: the backend is busy
+                    waiting = [asyncio.ensure_future(one(done, *first))]
+                    await asyncio.sleep(0.02)
+                    waiting.append(asyncio.ensure_future(one(done, *second)))
+                    await asyncio.gather(head, *waiting)
+                    rounds.append(done)
+            return rounds
+
+        first, second = asyncio.run(run())
+        assert first == ["blocker", "long-1", "short-1"], first  # no recent wait yet: arrival
+        assert second == ["blocker", "short-2", "long-2"], second
+    finally:
+        proc.stop()
+
+
 def test_configured_tenants_take_turns_whatever_user_their_requests_name(sim_fleet: Any, tmp_path: Path) -> None:
     """With ``router.tenants`` the key names the tenant: a client that sends each request
     under a new ``user`` still gets one turn in the rotation, not one per request."""
