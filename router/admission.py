@@ -51,7 +51,6 @@ from typing import Any
 
 from router import metrics
 from router.fleet.load import LoadTracker
-from router.policies.base import Candidate
 from router.http.errors import ClientClosed, Overloaded
 
 POLL_S = 0.005
@@ -110,28 +109,16 @@ class ModelQueue:
     def busy(self) -> bool:
         """Whether every healthy backend of the model is busy (see the module docstring)."""
         names = self._backends()
-        return bool(names) and all(self._busy(name) for name in names)
-
-    def _busy(self, name: str) -> bool:
-        load = self._loads.get(name)
-        queued = load.prefill_tokens
-        if load.scraped_unseen > 0:
-            waiting = len(load.prefilling)
-            mean = load.prefill_tokens / waiting if waiting else self.busy_tokens / 4
-            queued += load.scraped_unseen * mean
-        return queued > self.busy_tokens
-
-    def steer(self, candidates: list[Candidate]) -> None:
-        """Take busy backends out of a decision while another healthy one is not busy: a
-        request let through goes where prefill is free now, and the queue, not an engine's,
-        holds the excess, in the order above. Otherwise the policy could bind it to a
-        backend whose queue is long because its cache draws the traffic, behind another
-        tenant's requests, which is what the queue is there to prevent."""
-        busy = [c for c in candidates if c.healthy and self._busy(c.backend)]
-        if busy and len(busy) < sum(c.healthy for c in candidates):
-            for c in busy:
-                c.healthy = False
-            metrics.child(metrics.QUEUE_STEERED, self.model).inc()
+        for name in names:
+            load = self._loads.get(name)
+            queued = load.prefill_tokens
+            if load.scraped_unseen > 0:
+                waiting = len(load.prefilling)
+                mean = load.prefill_tokens / waiting if waiting else self.busy_tokens / 4
+                queued += load.scraped_unseen * mean
+            if queued <= self.busy_tokens:
+                return False
+        return bool(names)
 
     def would_wait(self) -> bool:
         """Whether a request arriving now waits (then :meth:`admit` wants its prefill size)."""

@@ -265,12 +265,6 @@ class RouterMetrics:
             "cancelled (the client went away while waiting)",
             ["model", "outcome"], registry=registry,
         )
-        self.queue_steered = Counter(
-            "kvrouter_queue_steered",
-            "Decisions from which the admission queue took busy backends out, another healthy one being free "
-            "(router.queue_busy_tokens)",
-            ["model"], registry=registry,
-        )
         self.request_ttft = Histogram(
             "kvrouter_request_ttft_seconds",
             "Client time to first token, measured at the router: request received to the first stream chunk carrying "
@@ -454,7 +448,6 @@ CONNECTIONS_REFUSED = _PROCESS.connections_refused
 QUEUE_DEPTH = _PROCESS.queue_depth
 QUEUE_WAIT = _PROCESS.queue_wait
 QUEUE_OUTCOMES = _PROCESS.queue_outcomes
-QUEUE_STEERED = _PROCESS.queue_steered
 REQUEST_TTFT = _PROCESS.request_ttft
 REQUEST_E2E = _PROCESS.request_e2e
 TOKENS = _PROCESS.tokens

@@ -130,9 +130,6 @@ class RequestPath:
         cands = candidates(rt, hits, self.upstreams.pool, self.loads)  # 5. choose
         if not any(c.healthy for c in cands):
             raise NoHealthyBackend(f"no healthy backend for model {rt.name!r}")
-        queue = self.queues.get(rt.name) if act else None
-        if queue is not None:
-            queue.steer(cands)
         ctx = RequestCtx(
             model=rt.name,
             num_tokens=plan.num_tokens,
