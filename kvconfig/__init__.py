@@ -301,13 +301,13 @@ class RouterSettings(_Strict):
     """Turns the router's admission queue on (off while unset). A backend is busy when the
     prompt tokens queued on it for prefill exceed this: the router's requests before their
     first token, every worker's and replica's, plus the requests the engine reports waiting
-    that no router process sent. A busy backend takes no new request while another is
-    free. While every healthy backend of a model is busy, a new request waits at the
-    router, and the policy decides when it leaves, on the index and load of that moment
-    (late binding): lower ``priority`` first (vLLM's request field), then tenants in turn
-    (the ``router.tenants`` tenant the key names, else the body's ``user``, else the
-    client's key), then, within a tenant, shorter uncached prompts before longer ones,
-    aged by their wait (arrival order while the queue has no recent wait).
+    that no router process sent. While every healthy backend of a model is busy, a new
+    request waits at the router, and the policy decides when it leaves, on the index and
+    load of that moment (late binding): lower ``priority`` first (vLLM's request field),
+    then tenants in turn (the ``router.tenants`` tenant the key names, else the body's
+    ``user``, else the client's key), then, within a tenant, shorter uncached prompts
+    before longer ones, aged by their wait (arrival order while the queue has no recent
+    wait).
     About one engine step of prefill (``--max-num-batched-tokens``) is a place to start."""
     queue_max_waiting: int = Field(default=1024, ge=1)
     """Most requests one router process holds waiting per model; one more gets 429 with

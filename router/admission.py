@@ -3,9 +3,8 @@
 A request decided on arrival joins the queue of the engine it was sent to, even when
 another engine frees up first or the index changes while it waits; under a burst the
 tail latency is set by those queues. With the queue on (``router.queue_busy_tokens``),
-a *busy* backend takes no new request while another healthy one is not busy
-(:meth:`ModelQueue.steer`), and while every one is busy a request planned (stage 3) waits
-here instead, and is let through when one stops being busy: its look up and choice (stages
+while every healthy backend of a model is *busy* a request planned (stage 3) waits here
+instead, and is let through when one stops being busy: its look up and choice (stages
 4-5) are made then, on the index and load of that moment.
 
 *Busy*: the prompt tokens queued on a backend for prefill exceed the threshold. They are
