@@ -120,9 +120,10 @@ bench-loads: install
 # bench takes the shared bench lock; REPEATS=1 for a quick look.
 SWEEP ?= 0.8,1.2,1.6,2.0,3.0
 # The mixed workload's round_robin still held its SLO at 8x on tuning seed 0: its closed-loop
-# "capacity" is far below where it breaks, so its sweep reaches 16x, at speedup 2 so that the
-# host's two cores (router, load generator, simulator) are not what breaks first.
-SWEEP_MIXED ?= 2,4,8,12,16
+# "capacity" is far below where it breaks, so its sweep reaches 24x (kv_aware, the oracle and
+# vllm-router still held it at 16x on seed 1001), at speedup 2 so that the host's two cores
+# (router, load generator, simulator) are not what breaks first.
+SWEEP_MIXED ?= 2,4,8,12,16,20,24
 CAPACITY_POLICIES := --policies round_robin,kv_aware,oracle --peer vllm-router:kv_aware
 SLO_MOONCAKE ?= 5000
 SLO_SHAREGPT ?= 1000
