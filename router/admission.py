@@ -119,23 +119,20 @@ class ModelQueue:
                 return False
         return bool(names)
 
-    def would_wait(self) -> bool:
-        """Whether a request arriving now waits (then :meth:`admit` wants its prefill size)."""
-        return self.depth > 0 or self.busy()
-
     async def admit(self, priority: int, tenant: str, disconnected: Callable[[], Awaitable[Any]] | None,
-                    prefill_tokens: int = 0) -> Pass:
+                    prefill_tokens: Callable[[], Awaitable[int]] | None = None) -> Pass:
         """Return at once while nobody waits and a backend is not busy; else wait in turn.
-        ``prefill_tokens``: the prompt tokens no backend holds, which orders a tenant's waiting
-        requests (shortest first, aged by their wait)."""
+        ``prefill_tokens``: the prompt tokens no backend holds, asked only of a request that
+        waits, which orders a tenant's waiting requests (shortest first, aged by their wait)."""
         if self.depth == 0 and not self.busy():
             return OPEN
+        size = await prefill_tokens() if prefill_tokens is not None else 0  # before the bound: it may await
         if self.depth >= self.max_waiting:
             self._count("full")
             raise Overloaded(f"the router's queue for model {self.model!r} is full ({self.depth} waiting)",
                              retry_after_s=self._retry_after(), code="queue_full")
         now = time.monotonic()
-        p = Pass(self, priority, tenant, now, self._deadline(now, prefill_tokens), asyncio.get_running_loop().create_future())
+        p = Pass(self, priority, tenant, now, self._deadline(now, size), asyncio.get_running_loop().create_future())
         self._push(p)
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._dispatch_forever())

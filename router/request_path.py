@@ -97,9 +97,8 @@ class RequestPath:
         queue = self.queues.get(rt.name) if act else None
         admitted = OPEN
         if queue is not None:  # 4. look up, once the queue lets it through
-            size = await self._uncached(rt, plan) if queue.would_wait() else 0
             admitted = await queue.admit(priority_of(body), tenant_of(body, headers.get("authorization"), tenant),
-                                       disconnected, size)
+                                       disconnected, partial(self._uncached, rt, plan))
         try:
             d = await self._choose(q, plan, headers, act, started)
         except BaseException:
