@@ -195,8 +195,7 @@ class ModelQueue:
         line = band.get(p.tenant) if band is not None else None
         at = next((i for i, entry in enumerate(line) if entry[2] is p), None) if line is not None else None
         if line is not None and at is not None:
-            line[at] = line[-1]
-            line.pop()
+            del line[at]
             heapq.heapify(line)
             if not line:
                 del band[p.tenant]  # type: ignore[union-attr]
