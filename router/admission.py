@@ -31,6 +31,15 @@ counts the previous one's tokens. A request over ``queue_max_waiting`` or waitin
 ``queue_timeout_s`` gets 429 with ``Retry-After``; one whose client disconnects leaves the
 queue (counted). Each process queues its own requests: the load it weighs is the fleet's.
 
+*Headroom for the other tenants*: a tenant sending more than twice its fair share of the
+model's recent requests (``HEAVY_SHARE``; fair: one over the tenants seen lately) is let
+through only while a backend's queued prefill is under ``queue_heavy_fraction`` (a lab
+knob, :mod:`router.tuning`) of the threshold; the others go up to the threshold. Taking
+turns alone left them waiting for a backend to drain a heavy tenant's backlog to the
+threshold, then behind that backlog in the engine: a tenant at 10x the others' rate still
+tripled their TTFT p90. Its demand is counted on arrival, so holding it back does not make
+it look light.
+
 A request that finds the queue empty and a backend not busy pays one pass over the
 model's backends (no await, no allocation beyond the check).
 """
@@ -50,6 +59,7 @@ from typing import Any
 
 from router import metrics
 from router.fleet.load import LoadTracker
+from router.policies.shares import Shares
 from router.http.errors import ClientClosed, Overloaded
 
 POLL_S = 0.005
@@ -57,6 +67,10 @@ POLL_S = 0.005
 evented: the load that frees a backend also arrives from other processes (the fleet-state
 log) and from scrapes, and a 5 ms tick is small against the waits it ends."""
 TAKEN_TIMEOUT_S = 1.0
+HEAVY_SHARE = 2.0
+"""A tenant is heavy above this many times its fair share of the model's recent arrivals."""
+SHARE_WINDOW = 64
+"""Arrivals the tenants' shares are measured over (exponential decay, :class:`Shares`)."""
 """Longest the queue waits for a released request to take its load ticket before letting
 the next one through (a request that fails before sending releases at once)."""
 
@@ -90,11 +104,16 @@ class ModelQueue:
     order within a tenant."""
 
     def __init__(self, model: str, backends: Callable[[], list[str]], loads: LoadTracker, busy_tokens: int,
-                 max_waiting: int, timeout_s: float) -> None:
+                 max_waiting: int, timeout_s: float, heavy_fraction: float = 0.5) -> None:
         self.model = model
         self._backends = backends
         self._loads = loads
         self.busy_tokens = busy_tokens
+        self.heavy_tokens = busy_tokens * heavy_fraction
+        """The busy threshold a heavy tenant's requests see (see the module docstring)."""
+        self._shares = Shares(SHARE_WINDOW)
+        self._tenants = 1
+        self._recount_at = 0
         self.max_waiting = max_waiting
         self.timeout_s = timeout_s
         self._bands: dict[int, collections.OrderedDict[str, list[tuple[float, int, Pass]]]] = {}
@@ -105,9 +124,13 @@ class ModelQueue:
         self._size_ewma = 0.0
         self._arrivals = itertools.count()
 
-    def busy(self) -> bool:
-        """Whether every healthy backend of the model is busy (see the module docstring)."""
+    def least_queued(self) -> float:
+        """The fewest prompt tokens queued for prefill on a healthy backend of the model: what
+        the router's requests there before their first token add up to, plus the waiting
+        requests the engine's last scrape showed beyond those. 0 with no healthy backend:
+        nothing to wait for (the request path answers that no backend can take it)."""
         names = self._backends()
+        least = math.inf if names else 0.0
         for name in names:
             load = self._loads.get(name)
             queued = load.prefill_tokens
@@ -115,17 +138,27 @@ class ModelQueue:
                 waiting = len(load.prefilling)
                 mean = load.prefill_tokens / waiting if waiting else self.busy_tokens / 4
                 queued += load.scraped_unseen * mean
-            if queued <= self.busy_tokens:
-                return False
-        return bool(names)
+            least = min(least, queued)
+        return least
+
+    def heavy(self, tenant: str) -> bool:
+        """Whether ``tenant`` sent more than ``HEAVY_SHARE`` times its fair share of the recent arrivals."""
+        shares = self._shares
+        if shares.counted >= self._recount_at:  # the tenants seen lately, recounted every 16 arrivals
+            self._recount_at = shares.counted + 16
+            self._tenants = max(1, shares.active(0.5))
+        return shares.of(tenant) > HEAVY_SHARE * shares.total / self._tenants
 
     async def admit(self, priority: int, tenant: str, disconnected: Callable[[], Awaitable[Any]] | None,
                     prefill_tokens: Callable[[], Awaitable[int]] | None = None) -> Pass:
         """Return at once while nobody waits and a backend is not busy; else wait in turn.
         ``prefill_tokens``: the prompt tokens no backend holds, asked only of a request that
         waits, which orders a tenant's waiting requests (shortest first, aged by their wait)."""
-        if self.depth == 0 and not self.busy():
-            return OPEN
+        self._shares.count(tenant)
+        if self.depth == 0:
+            least = self.least_queued()
+            if least <= self.heavy_tokens or (least <= self.busy_tokens and not self.heavy(tenant)):
+                return OPEN
         size = await prefill_tokens() if prefill_tokens is not None else 0  # before the bound: it may await
         if self.depth >= self.max_waiting:
             self._count("full")
@@ -171,13 +204,17 @@ class ModelQueue:
         heapq.heappush(band.setdefault(p.tenant, []), (p.deadline, next(self._arrivals), p))
         self._resize(1)
 
-    def _pop(self) -> Pass | None:
-        """The next request: the lowest priority band, its next tenant in turn, that
-        tenant's earliest deadline (the tenant then moves to the back of the band's rotation)."""
+    def _pop(self, light_only: bool) -> Pass | None:
+        """The next request: the lowest priority band, its next tenant in turn (``light_only``:
+        its next tenant that is not heavy), that tenant's earliest deadline (the tenant then
+        moves to the back of the band's rotation)."""
         while self._bands:
             prio = min(self._bands)
             band = self._bands[prio]
-            tenant, line = next(iter(band.items()))
+            tenant = next((t for t in band if not (light_only and self.heavy(t))), None)
+            if tenant is None:
+                return None
+            line = band[tenant]
             p = heapq.heappop(line)[2]
             band.move_to_end(tenant)
             if not line:
@@ -208,11 +245,16 @@ class ModelQueue:
     async def _dispatch_forever(self) -> None:
         """Let one request through whenever a backend is not busy, until nobody waits."""
         while self.depth:
-            if self.busy():
+            least = self.least_queued()
+            if least > self.busy_tokens:
                 await asyncio.sleep(POLL_S)
                 continue
-            p = self._pop()
+            light_only = least > self.heavy_tokens
+            p = self._pop(light_only)
             if p is None:
+                if light_only and self.depth:  # only heavy tenants wait: they wait for the headroom
+                    await asyncio.sleep(POLL_S)
+                    continue
                 break
             assert p.released is not None
             p.released.set_result(None)

@@ -152,6 +152,41 @@ def test_configured_tenants_take_turns_whatever_user_their_requests_name(sim_fle
         proc.stop()
 
 
+def test_a_heavy_tenant_waits_for_headroom_while_another_tenant_goes_through(sim_fleet: Any,
+                                                                            tmp_path: Path) -> None:
+    """Tenant h sends 10 of the first 12 requests, over twice its fair share of three tenants.
+    With its 2,000-token prompt prefilling (under the busy threshold of 3,000, over half of
+    it), h's next request waits at the router while x's, sent after it, goes through at once;
+    h's goes once the prefill is done. Without the headroom both would go at once."""
+    sim = sim_fleet("--speedup", "0.25")  # the 2,000-token prefill takes ~0.6 s
+    proc, url = serve(sim, tmp_path, queue_busy_tokens=3000)
+    try:
+        async def run() -> list[str]:
+            done: list[str] = []
+            async with httpx.AsyncClient(timeout=60) as c:
+                async def one(name: str, user: str, prompt: str = "") -> None:
+                    r = await complete(c, url, prompt or f"question {name} " * 20, user=user)
+                    assert r.status_code == 200, r.text
+                    done.append(name)
+
+                for name, user in [("x0", "x"), ("y0", "y"), *((f"h0-{i}", "h") for i in range(8))]:
+                    await one(name, user)  # one at a time on an idle engine: none waits
+                done.clear()
+                head = asyncio.ensure_future(one("h-long", "h", "a long document to prefill first " * 285))
+                await asyncio.sleep(0.1)  # h's prompt is prefilling
+                later = [asyncio.ensure_future(one("h1", "h"))]
+                await asyncio.sleep(0.02)
+                later.append(asyncio.ensure_future(one("x1", "x")))
+                await asyncio.gather(head, *later)
+            return done
+
+        order = asyncio.run(run())
+        assert order.index("x1") < order.index("h1") and order[-1] == "h1", order
+        assert outcomes(url).get("dispatched") == 2, outcomes(url)  # h1 waited for headroom, x1 for its turn
+    finally:
+        proc.stop()
+
+
 def test_a_full_queue_and_a_wait_past_the_deadline_get_429_with_retry_after(sim_fleet: Any, tmp_path: Path) -> None:
     """``queue_max_waiting: 1``: with the backend busy and one request waiting, the next
     gets 429 at once; the one waiting gets 429 at ``queue_timeout_s`` if the backend is

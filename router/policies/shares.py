@@ -18,6 +18,7 @@ class Shares:
         self.window = window
         self.recent: dict[str, float] = {}
         self.total = 0.0
+        self.counted = 0
         self._inc = 1.0
 
     def count(self, backend: str) -> None:
@@ -29,6 +30,15 @@ class Shares:
             self._inc = 1.0
         self.recent[backend] = self.recent.get(backend, 0.0) + self._inc
         self.total += self._inc
+        self.counted += 1
 
     def of(self, backend: str) -> float:
         return self.recent.get(backend, 0.0)
+
+    def active(self, weight: float) -> int:
+        """How many keys hold at least ``weight`` of one count made now (0.5: about one count within
+        the last ``0.7 × window``); keys under 1% of one are forgotten, so the map stays small."""
+        floor = 0.01 * self._inc
+        for key in [k for k, v in self.recent.items() if v < floor]:
+            self.total -= self.recent.pop(key)
+        return sum(1 for v in self.recent.values() if v >= weight * self._inc)
