@@ -28,6 +28,11 @@ collector this bench runs, so the serialising and sending of spans is counted, n
 their making. Its overhead next to ``kvrouter``'s, measured turn by turn in the same run,
 is what tracing costs.
 
+``--queue`` adds a target, ``kvrouter queue``: the same router with its admission queue on
+(``router.queue_busy_tokens`` 8,192, one engine step of prefill). No request here ever waits
+in it, so its overhead next to ``kvrouter``'s is what the queue costs a request it lets
+through at once.
+
 Max req/s: short chat requests from many keep-alive connections for a few seconds
 against a *null engine* (below), so that neither the engine nor the client limits the
 router. The client is a minimal asyncio HTTP/1.1 keep-alive loop: httpx itself costs
@@ -295,7 +300,7 @@ async def max_rps(port: int, seconds: float, connections: int) -> float:
 # -- processes --------------------------------------------------------------------------
 
 
-def kvrouter_config(backends: list[tuple[str, int, int | None]], path: Path) -> None:
+def kvrouter_config(backends: list[tuple[str, int, int | None]], path: Path, **router: Any) -> None:
     cfg = {
         "models": [{
             "name": MODEL, "tokenizer": str(QWEN3_DIR), "block_size": 16, "hash_algo": "sha256", "hash_seed": "0",
@@ -304,7 +309,7 @@ def kvrouter_config(backends: list[tuple[str, int, int | None]], path: Path) -> 
                 for name, http, ev in backends
             ],
         }],
-        "router": {"policy": "kv_aware", "max_body_bytes": 64 << 20},
+        "router": {"policy": "kv_aware", "max_body_bytes": 64 << 20, **router},
     }
     path.write_text(yaml.safe_dump(cfg))
 
@@ -485,6 +490,8 @@ def main() -> None:
                     help="which latency cases: cold, warm or both (default cold,warm)")
     ap.add_argument("--before", type=Path, default=None,
                     help="also a target 'kvrouter before': the router of this other checkout (e.g. a git worktree at an older commit)")
+    ap.add_argument("--queue", action="store_true",
+                    help="also a target 'kvrouter queue': the router with its admission queue on (never waited in here)")
     ap.add_argument("--otel", action="store_true",
                     help="also measure kvrouter with OpenTelemetry tracing on (OTLP to a null collector): target 'kvrouter otel'")
     ap.add_argument("--sweep", action="store_true", help="only the warm 10-turn concurrency sweep (issue 16)")
@@ -513,6 +520,9 @@ def main() -> None:
 
         kvrouter_config([(f"sim-{i}", sim_http + i, sim_ev + i) for i in range(2)], tmp / "sim.yaml")
         kvrouter_config([("null", null_port, None)], tmp / "null.yaml")
+        kvrouter_config([(f"sim-{i}", sim_http + i, sim_ev + i) for i in range(2)], tmp / "sim-queue.yaml",
+                        queue_busy_tokens=8192)
+        kvrouter_config([("null", null_port, None)], tmp / "null-queue.yaml", queue_busy_tokens=8192)
         one = 1 if serve_supports_workers() else None  # the one-process router this bench has always measured
         router, router_url = start_kvrouter(tmp / "sim.yaml", tmp / "router.log", one)
         procs.append(router)
@@ -531,6 +541,10 @@ def main() -> None:
                 "OTEL_TRACES_SAMPLER": "always_on"})
             procs.append(traced)
             targets["kvrouter otel"] = traced_url
+        if args.queue:
+            queued, queued_url = start_kvrouter(tmp / "sim-queue.yaml", tmp / "router-queue.log", one)
+            procs.append(queued)
+            targets["kvrouter queue"] = queued_url
         have_peer = not args.no_peer and vllm_router_binary() is not None
         if have_peer:
             workers = [(sim_http + i, sim_ev + i) for i in range(2)]
@@ -603,6 +617,10 @@ def main() -> None:
                 "OTEL_TRACES_SAMPLER": "always_on"})
             procs.append(traced_null)
             rps_targets["kvrouter otel"] = int(traced_null_url.rsplit(":", 1)[1])
+        if args.queue:
+            queued_null, queued_null_url = start_kvrouter(tmp / "null-queue.yaml", tmp / "router-null-queue.log", one)
+            procs.append(queued_null)
+            rps_targets["kvrouter queue"] = int(queued_null_url.rsplit(":", 1)[1])
         if have_peer:
             p, url = start_vllm_router("round_robin", [(null_port, None)], tmp / "null")
             procs.append(p)
@@ -622,8 +640,9 @@ def main() -> None:
                     line = f"  {case:22} {'stream' if stream else 'whole':7} c={conc:<3} kvrouter {rows['kvrouter']['overhead_p50_ms']:7.2f}"
                     if "kvrouter before" in rows:
                         line += f" | before {rows['kvrouter before']['overhead_p50_ms']:7.2f}"
-                    if "kvrouter otel" in rows:
-                        line += f" | kvrouter otel {rows['kvrouter otel']['overhead_p50_ms']:7.2f}"
+                    for extra in ("kvrouter otel", "kvrouter queue"):
+                        if extra in rows:
+                            line += f" | {extra} {rows[extra]['overhead_p50_ms']:7.2f}"
                     for peer in ("vllm-router rr", "vllm-router kv"):
                         if peer in rows:
                             line += f" | {peer} {rows[peer]['overhead_p50_ms']:7.2f} (p50 latency ratio {rows['kvrouter']['p50_ms'] / rows[peer]['p50_ms']:.2f}x)"
