@@ -63,6 +63,8 @@ def commit(d: Decided, backend: str) -> None:
     if note is not None:
         note.model = name
         note.reason = decision.reason if backend == decision.backend else "fallback"
+        if d.admitted.waited:
+            note.queue_wait = d.admitted.waited
         note.routed(d)
     if backend != decision.backend:
         # A retry after the chosen backend failed before answering.

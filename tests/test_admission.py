@@ -9,6 +9,7 @@ the order in which the answers come back is the order the queue let them through
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -183,6 +184,9 @@ def test_a_heavy_tenant_waits_for_headroom_while_another_tenant_goes_through(sim
         order = asyncio.run(run())
         assert order.index("x1") < order.index("h1") and order[-1] == "h1", order
         assert outcomes(url).get("dispatched") == 2, outcomes(url)  # h1 waited for headroom, x1 for its turn
+        waits = [json.loads(line)["queue_wait_ms"] for line in (tmp_path / "router.log").read_text().splitlines()
+                 if line.startswith("{") and "queue_wait_ms" in line]
+        assert len(waits) == 2 and max(waits) > 200, waits  # the access log says who waited, and how long
     finally:
         proc.stop()
 

@@ -82,6 +82,7 @@ class AccessLine(msgspec.Struct, omit_defaults=True):
     completion_tokens: int | None = None
     cached_tokens: int | None = None
     predicted_cached_tokens: int | None = None
+    queue_wait_ms: float | None = None
 
 
 AGREEMENT_ALPHA = 0.02
@@ -154,7 +155,7 @@ class Observed:
     """One request's answer as it goes out (see the module docstring)."""
 
     __slots__ = ("id", "method", "path", "started", "status", "model", "backend", "reason", "predicted_cached",
-                 "first_output", "stream", "tail", "log", "tenant", "charged", "_send", "_token")
+                 "queue_wait", "first_output", "stream", "tail", "log", "tenant", "charged", "_send", "_token")
 
     def __init__(self, scope: Scope, send: Send, log_access: bool) -> None:
         self.id, new = request_id_of(scope)
@@ -168,6 +169,8 @@ class Observed:
         self.backend: str | None = None
         self.reason: str | None = None
         self.predicted_cached: int | None = None
+        self.queue_wait: float | None = None
+        """Seconds the request waited in the router's admission queue, when it waited."""
         self.first_output: float | None = None
         self.stream = False
         self.tail = b""
@@ -231,7 +234,8 @@ class Observed:
             p, c, cached = usage if usage is not None else (None, None, None)
             access_log.info(_encode(AccessLine(
                 self.id, self.method, self.path, self.status, round(e2e * 1000, 3), model, backend, self.reason,
-                None if ttft is None else round(ttft * 1000, 3), p, c, cached, self.predicted_cached)).decode())
+                None if ttft is None else round(ttft * 1000, 3), p, c, cached, self.predicted_cached,
+                None if self.queue_wait is None else round(self.queue_wait * 1000, 3))).decode())
 
 
 def _has_output(body: bytes, mark: bytes) -> bool:
