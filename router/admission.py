@@ -59,20 +59,20 @@ from typing import Any
 
 from router import metrics
 from router.fleet.load import LoadTracker
-from router.policies.shares import Shares
 from router.http.errors import ClientClosed, Overloaded
+from router.policies.shares import Shares
 
 POLL_S = 0.005
 """How often a non-empty queue re-checks whether a backend stopped being busy. Polled, not
 evented: the load that frees a backend also arrives from other processes (the fleet-state
 log) and from scrapes, and a 5 ms tick is small against the waits it ends."""
 TAKEN_TIMEOUT_S = 1.0
+"""Longest the queue waits for a released request to take its load ticket before letting
+the next one through (a request that fails before sending releases at once)."""
 HEAVY_SHARE = 2.0
 """A tenant is heavy above this many times its fair share of the model's recent arrivals."""
 SHARE_WINDOW = 64
 """Arrivals the tenants' shares are measured over (exponential decay, :class:`Shares`)."""
-"""Longest the queue waits for a released request to take its load ticket before letting
-the next one through (a request that fails before sending releases at once)."""
 
 
 @dataclass(eq=False)

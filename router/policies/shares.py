@@ -1,4 +1,5 @@
-"""Each backend's share of a model's recent routing decisions (kv_aware's share cap).
+"""Each key's share of recent counts: a backend's of a model's routing decisions (kv_aware's
+share cap), a tenant's of a model's arrivals (the admission queue's heavy tenants).
 
 Every decision is weighed ``_inc`` when counted, and ``_inc`` grows by
 ``1 / (1 - 1/window)`` a decision, so the shares decay exponentially over about
@@ -21,19 +22,20 @@ class Shares:
         self.counted = 0
         self._inc = 1.0
 
-    def count(self, backend: str) -> None:
-        """One request sent to ``backend``, by this process or another of the router."""
+    def count(self, key: str) -> None:
+        """One count for ``key``: a request sent to a backend, by this process or another of the
+        router; a request arriving from a tenant."""
         self._inc /= 1.0 - 1.0 / self.window
         if self._inc > 1e200:  # rescale long before floats overflow
             self.recent = {b: v / self._inc for b, v in self.recent.items()}
             self.total /= self._inc
             self._inc = 1.0
-        self.recent[backend] = self.recent.get(backend, 0.0) + self._inc
+        self.recent[key] = self.recent.get(key, 0.0) + self._inc
         self.total += self._inc
         self.counted += 1
 
-    def of(self, backend: str) -> float:
-        return self.recent.get(backend, 0.0)
+    def of(self, key: str) -> float:
+        return self.recent.get(key, 0.0)
 
     def active(self, weight: float) -> int:
         """How many keys hold at least ``weight`` of one count made now (0.5: about one count within
