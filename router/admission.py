@@ -159,6 +159,8 @@ class ModelQueue:
             least = self.least_queued()
             if least <= self.heavy_tokens or (least <= self.busy_tokens and not self.heavy(tenant)):
                 return OPEN
+            if least <= self.busy_tokens:
+                metrics.child(metrics.QUEUE_HEAVY_HELD, self.model).inc()
         size = await prefill_tokens() if prefill_tokens is not None else 0  # before the bound: it may await
         if self.depth >= self.max_waiting:
             self._count("full")

@@ -265,6 +265,12 @@ class RouterMetrics:
             "cancelled (the client went away while waiting)",
             ["model", "outcome"], registry=registry,
         )
+        self.queue_heavy_held = Counter(
+            "kvrouter_queue_heavy_held",
+            "Requests of a tenant over twice its fair share of the model's recent arrivals that waited for headroom "
+            "(a backend under queue_heavy_fraction of the busy threshold) when another tenant's would have gone at once",
+            ["model"], registry=registry,
+        )
         self.request_ttft = Histogram(
             "kvrouter_request_ttft_seconds",
             "Client time to first token, measured at the router: request received to the first stream chunk carrying "
@@ -448,6 +454,7 @@ CONNECTIONS_REFUSED = _PROCESS.connections_refused
 QUEUE_DEPTH = _PROCESS.queue_depth
 QUEUE_WAIT = _PROCESS.queue_wait
 QUEUE_OUTCOMES = _PROCESS.queue_outcomes
+QUEUE_HEAVY_HELD = _PROCESS.queue_heavy_held
 REQUEST_TTFT = _PROCESS.request_ttft
 REQUEST_E2E = _PROCESS.request_e2e
 TOKENS = _PROCESS.tokens

@@ -187,6 +187,8 @@ def test_a_heavy_tenant_waits_for_headroom_while_another_tenant_goes_through(sim
         waits = [json.loads(line)["queue_wait_ms"] for line in (tmp_path / "router.log").read_text().splitlines()
                  if line.startswith("{") and "queue_wait_ms" in line]
         assert len(waits) == 2 and max(waits) > 200, waits  # the access log says who waited, and how long
+        held = scrape_labelled(url + "/metrics", "kvrouter_queue_heavy_held_total", "model")
+        assert held.get(MODEL) == 1, held
     finally:
         proc.stop()
 
