@@ -200,14 +200,17 @@ async def timed(http: httpx.AsyncClient, url: str, body: dict[str, Any], stream:
 async def paired_latencies(urls: dict[str, str], bodies: dict[str, list[dict[str, Any]]], stream: bool) -> dict[str, list[float]]:
     """One client, one request at a time, the targets taking turns request by request:
     a slow spell of this shared machine then hits every target alike, and overhead is
-    the median of per-turn differences instead of a difference of two medians."""
+    the median of per-turn differences instead of a difference of two medians. The order
+    within a turn rotates, so that no target always follows the same one (the engine, the
+    client and the host carry state from one request to the next)."""
     clients = {t: httpx.AsyncClient(base_url=u, timeout=120) for t, u in urls.items()}
     out: dict[str, list[float]] = {t: [] for t in urls}
     try:
         for t, http in clients.items():
             await timed(http, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "warm up"}], "max_tokens": 1}, False)
+        order = list(clients.items())
         for i in range(min(len(b) for b in bodies.values())):
-            for t, http in clients.items():
+            for t, http in order[i % len(order):] + order[:i % len(order)]:
                 out[t].append(await timed(http, "/v1/chat/completions", bodies[t][i], stream))
     finally:
         for http in clients.values():
