@@ -466,6 +466,8 @@ class MemoryIndex:
         if mi is None or not keys:
             return {}
         order = mi.order
+        if not order:  # the model's first event batch is being applied, or held only removes
+            return {}
         if len(order) == 1:
             return _match_one(mi.workers, order[0][0], order[0][1], keys)
         return _match_tiers(mi, order, keys)

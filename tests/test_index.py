@@ -91,6 +91,13 @@ def test_empty_request_and_unknown_model_match_nothing(h: Harness) -> None:
     assert h.lookup([1, 2], model="other") == {}
 
 
+def test_a_model_whose_events_stored_nothing_yet_matches_nothing(h: Harness) -> None:
+    """A batch of removes creates the model's entry before any store: a request looked up then
+    (the first of a run, racing the first events) matches nothing instead of failing."""
+    h.index.apply(M, A, batch(removed([1, 2])))
+    assert h.lookup([1, 2, 3]) == {}
+
+
 @pytest.mark.parametrize("n", [1, 15, 16, 17, 48, 49, 496, 497, 4080, 4081, 8192])
 def test_long_chains_match_exactly_across_chunk_boundaries(h: Harness, n: int) -> None:
     keys = [random.getrandbits(64) for _ in range(n)]
