@@ -523,9 +523,6 @@ def main() -> None:
 
         kvrouter_config([(f"sim-{i}", sim_http + i, sim_ev + i) for i in range(2)], tmp / "sim.yaml")
         kvrouter_config([("null", null_port, None)], tmp / "null.yaml")
-        kvrouter_config([(f"sim-{i}", sim_http + i, sim_ev + i) for i in range(2)], tmp / "sim-queue.yaml",
-                        queue_busy_tokens=8192)
-        kvrouter_config([("null", null_port, None)], tmp / "null-queue.yaml", queue_busy_tokens=8192)
         one = 1 if serve_supports_workers() else None  # the one-process router this bench has always measured
         router, router_url = start_kvrouter(tmp / "sim.yaml", tmp / "router.log", one)
         procs.append(router)
@@ -545,6 +542,8 @@ def main() -> None:
             procs.append(traced)
             targets["kvrouter otel"] = traced_url
         if args.queue:
+            kvrouter_config([(f"sim-{i}", sim_http + i, sim_ev + i) for i in range(2)], tmp / "sim-queue.yaml",
+                            queue_busy_tokens=8192)
             queued, queued_url = start_kvrouter(tmp / "sim-queue.yaml", tmp / "router-queue.log", one)
             procs.append(queued)
             targets["kvrouter queue"] = queued_url
@@ -623,6 +622,7 @@ def main() -> None:
             procs.append(traced_null)
             rps_targets["kvrouter otel"] = int(traced_null_url.rsplit(":", 1)[1])
         if args.queue:
+            kvrouter_config([("null", null_port, None)], tmp / "null-queue.yaml", queue_busy_tokens=8192)
             queued_null, queued_null_url = start_kvrouter(tmp / "null-queue.yaml", tmp / "router-null-queue.log", one)
             procs.append(queued_null)
             rps_targets["kvrouter queue"] = int(queued_null_url.rsplit(":", 1)[1])

@@ -104,7 +104,7 @@ class ModelQueue:
     order within a tenant."""
 
     def __init__(self, model: str, backends: Callable[[], list[str]], loads: LoadTracker, busy_tokens: int,
-                 max_waiting: int, timeout_s: float, heavy_fraction: float = 0.25) -> None:
+                 max_waiting: int, timeout_s: float, heavy_fraction: float) -> None:
         self.model = model
         self._backends = backends
         self._loads = loads
