@@ -37,6 +37,7 @@ from loadtest.workloads import Session, Turn, Workload, WorkloadError, tenant_of
 
 BACKEND_HEADER = "x-kvrouter-backend"
 REASON_HEADER = "x-kvrouter-reason"
+REQUEST_ID_HEADER = "x-request-id"
 NO_BACKEND = "-"
 
 
@@ -53,6 +54,8 @@ class RequestRecord:
     backend: str = NO_BACKEND
     reason: str | None = None
     """The router's decision reason, where it sends one (``router.expose_decision_headers``)."""
+    request_id: str | None = None
+    """The answer's ``x-request-id``: the router's access-log line of this request has the same id."""
     ttft_s: float | None = None
     e2e_s: float | None = None
     engine_ttft_s: float | None = None
@@ -251,6 +254,7 @@ class Replayer:
                 rec.status = resp.status_code
                 rec.backend = resp.headers.get(BACKEND_HEADER, NO_BACKEND)
                 rec.reason = resp.headers.get(REASON_HEADER)
+                rec.request_id = resp.headers.get(REQUEST_ID_HEADER)
                 if resp.status_code != 200:
                     detail = (await resp.aread()).decode(errors="replace")[:200]
                     rec.error = f"http {resp.status_code}: {detail}"

@@ -138,5 +138,9 @@ def test_repeats_run_interleaved_and_report_medians(tmp_path: Path) -> None:
         assert run["requests"] == 60 and len(run["repeats"]["ttft_p90"]) == 2
         assert run["ttft_s"]["p90"] == pytest.approx(sum(run["repeats"]["ttft_p90"]) / 2)
     for rep in ("rep1", "rep2"):
-        assert (tmp_path / "logs" / rep / "records-kv_aware.jsonl").exists()
+        records = [json.loads(line) for line in (tmp_path / "logs" / rep / "records-kv_aware.jsonl").read_text().splitlines()]
+        # Each record names its request's access-log line in the router's log, exactly.
+        logged = {json.loads(line)["request_id"] for line in (tmp_path / "logs" / rep / "kv_aware" / "router-kv_aware.log").read_text().splitlines()
+                  if line.startswith("{") and '"/v1/' in line}
+        assert len(records) == 30 and all(r["request_id"] in logged for r in records)
     assert "median of its repeats" in (tmp_path / "report.md").read_text()
