@@ -33,15 +33,21 @@ queue (counted). Each process queues its own requests: the load it weighs is the
 
 *Headroom for the other tenants*: a tenant sending more than twice its fair share of the
 model's recent requests (``HEAVY_SHARE``; fair: one over the tenants seen lately) is let
-through only while a backend's queued prefill is under ``queue_heavy_fraction`` (a lab
-knob, :mod:`router.tuning`) of the threshold; the others go up to the threshold. Taking
-turns alone left them waiting for a backend to drain a heavy tenant's backlog to the
-threshold, then behind that backlog in the engine: a tenant at 10x the others' rate still
-tripled their TTFT p90. Its demand is counted on arrival, so holding it back does not make
-it look light.
+through only when a backend has room for it (:func:`room`): nothing queued for prefill, or
+still under ``queue_heavy_fraction`` (a lab knob, :mod:`router.tuning`) of the threshold
+with the request's uncached tokens added; and it is sent only to such a backend
+(:meth:`Pass.confine`). The others go up to the threshold, anywhere. Taking turns alone left
+them waiting for a backend to drain a heavy tenant's backlog to the threshold, then behind
+that backlog in the engine: a tenant at 10x the others' rate still tripled their TTFT p90.
+Let through whenever some backend's queue was short, a heavy tenant's request could still go
+where its cache was, behind a backlog, or bring a new 16k-token context to a short queue and
+make it a long one; the other tenants' requests that their own cache or the load guard sent
+to that backend waited behind it. Its demand is counted on arrival, so holding it back does
+not make it look light.
 
 A request that finds the queue empty and a backend not busy pays one pass over the
-model's backends (no await, no allocation beyond the check).
+model's backends (no await, no allocation beyond the check); a heavy tenant's also pays a
+look-up of its uncached tokens.
 """
 
 from __future__ import annotations
@@ -60,6 +66,7 @@ from typing import Any
 from router import metrics
 from router.fleet.load import LoadTracker
 from router.http.errors import ClientClosed, Overloaded
+from router.policies.base import Candidate
 from router.policies.shares import Shares
 
 POLL_S = 0.005
@@ -90,9 +97,33 @@ class Pass:
     done: asyncio.Event = field(default_factory=asyncio.Event)
     waited: float = 0.0
     """Seconds it waited in the queue."""
+    within: float = math.inf
+    """The headroom a heavy tenant's request was let through for (see the module docstring);
+    unbounded for the others."""
+    size: int = 0
+    """Its prompt tokens no backend holds: orders it within its tenant, and sizes a heavy
+    tenant's request against the headroom."""
 
     def taken(self) -> None:
         self.done.set()
+
+    def confine(self, candidates: list[Candidate]) -> list[str]:
+        """Keep a heavy tenant's request off the backends without room for it (:func:`room`;
+        if none has room any more, off those over the headroom), while one remains: they are
+        made unroutable for this decision and returned, for the caller to append to the
+        decision's failover order."""
+        if self.queue is None or math.isinf(self.within):
+            return []
+        queued = {c.backend: self.queue.queued(c.backend) for c in candidates if c.healthy}
+        over = {b for b, q in queued.items() if not room(q, self.size, self.within)}
+        if len(over) == len(queued):
+            over = {b for b, q in queued.items() if q > self.within}
+        if not over or len(over) == len(queued):
+            return []
+        for c in candidates:
+            if c.backend in over:
+                c.healthy = False
+        return sorted(over)
 
 
 OPEN = Pass()
@@ -132,20 +163,29 @@ class ModelQueue:
         names = self._backends()
         least = math.inf if names else 0.0
         for name in names:
-            load = self._loads.get(name)
-            queued = load.prefill_tokens
-            if load.scraped_unseen > 0:
-                waiting = len(load.prefilling)
-                mean = load.prefill_tokens / waiting if waiting else self.busy_tokens / 4
-                queued += load.scraped_unseen * mean
-            least = min(least, queued)
+            least = min(least, self.queued(name))
         return least
+
+    def queued(self, name: str) -> float:
+        """Prompt tokens queued for prefill on backend ``name`` (see :meth:`least_queued`)."""
+        load = self._loads.get(name)
+        queued = load.prefill_tokens
+        if load.scraped_unseen > 0:
+            waiting = len(load.prefilling)
+            mean = load.prefill_tokens / waiting if waiting else self.busy_tokens / 4
+            queued += load.scraped_unseen * mean
+        return queued
+
+    def has_room(self, size: int) -> bool:
+        """Whether a heavy tenant's request of ``size`` uncached tokens may go: a backend has
+        nothing queued, or stays under the headroom with it."""
+        return any(room(self.queued(name), size, self.heavy_tokens) for name in self._backends())
 
     def heavy(self, tenant: str) -> bool:
         """Whether ``tenant`` sent more than ``HEAVY_SHARE`` times its fair share of the recent arrivals."""
         shares = self._shares
-        if shares.counted >= self._recount_at:  # the tenants seen lately, recounted every 16 arrivals
-            self._recount_at = shares.counted + 16
+        if shares.counted >= self._recount_at:  # the tenants seen lately, recounted every 16 arrivals (sooner at first)
+            self._recount_at = shares.counted + min(16, 1 + shares.counted // 4)
             self._tenants = max(1, shares.active(0.5))
         return shares.of(tenant) > HEAVY_SHARE * shares.total / self._tenants
 
@@ -157,17 +197,21 @@ class ModelQueue:
         self._shares.count(tenant)
         if self.depth == 0:
             least = self.least_queued()
-            if least <= self.heavy_tokens or (least <= self.busy_tokens and not self.heavy(tenant)):
+            if least <= self.busy_tokens and not self.heavy(tenant):
                 return OPEN
-            if least <= self.busy_tokens:
-                metrics.child(metrics.QUEUE_HEAVY_HELD, self.model).inc()
         size = await prefill_tokens() if prefill_tokens is not None else 0  # before the bound: it may await
+        if self.depth == 0:
+            if self.has_room(size):
+                return Pass(self, within=self.heavy_tokens, size=size)
+            if self.least_queued() <= self.busy_tokens:
+                metrics.child(metrics.QUEUE_HEAVY_HELD, self.model).inc()
         if self.depth >= self.max_waiting:
             self._count("full")
             raise Overloaded(f"the router's queue for model {self.model!r} is full ({self.depth} waiting)",
                              retry_after_s=self._retry_after(), code="queue_full")
         now = time.monotonic()
-        p = Pass(self, priority, tenant, now, self._deadline(now, size), asyncio.get_running_loop().create_future())
+        p = Pass(self, priority, tenant, now, self._deadline(now, size), asyncio.get_running_loop().create_future(),
+                 size=size)
         self._push(p)
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._dispatch_forever())
@@ -183,6 +227,8 @@ class ModelQueue:
             if gone is not None:
                 gone.cancel()
         if p.released.done():  # let through (at the deadline too: it goes)
+            if self.heavy(tenant):
+                p.within = self.heavy_tokens
             p.waited = waited = time.monotonic() - p.arrived
             self._wait_ewma += 0.1 * (waited - self._wait_ewma)
             metrics.child(metrics.QUEUE_WAIT, self.model).observe(waited)
@@ -206,14 +252,14 @@ class ModelQueue:
         heapq.heappush(band.setdefault(p.tenant, []), (p.deadline, next(self._arrivals), p))
         self._resize(1)
 
-    def _pop(self, light_only: bool) -> Pass | None:
-        """The next request: the lowest priority band, its next tenant in turn (``light_only``:
-        its next tenant that is not heavy), that tenant's earliest deadline (the tenant then
-        moves to the back of the band's rotation)."""
+    def _pop(self) -> Pass | None:
+        """The next request: the lowest priority band, its next tenant in turn that is not
+        heavy or whose next request has room (:meth:`has_room`), that tenant's earliest
+        deadline (the tenant then moves to the back of the band's rotation)."""
         while self._bands:
             prio = min(self._bands)
             band = self._bands[prio]
-            tenant = next((t for t in band if not (light_only and self.heavy(t))), None)
+            tenant = next((t for t in band if not self.heavy(t) or self.has_room(band[t][0][2].size)), None)
             if tenant is None:
                 return None
             line = band[tenant]
@@ -251,10 +297,9 @@ class ModelQueue:
             if least > self.busy_tokens:
                 await asyncio.sleep(POLL_S)
                 continue
-            light_only = least > self.heavy_tokens
-            p = self._pop(light_only)
+            p = self._pop()
             if p is None:
-                if light_only and self.depth:  # only heavy tenants wait: they wait for the headroom
+                if self.depth:  # only heavy tenants wait: they wait for room
                     await asyncio.sleep(POLL_S)
                     continue
                 break
@@ -279,6 +324,12 @@ class ModelQueue:
     def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
+
+
+def room(queued: float, size: int, headroom: float) -> bool:
+    """A backend with ``queued`` prompt tokens before their first token has room for a heavy
+    tenant's request of ``size`` uncached tokens: nothing queued, or under ``headroom`` with it."""
+    return queued <= 0 or queued + size <= headroom
 
 
 def priority_of(body: dict[str, Any]) -> int:

@@ -271,6 +271,12 @@ class RouterMetrics:
             "(a backend under queue_heavy_fraction of the busy threshold) when another tenant's would have gone at once",
             ["model"], registry=registry,
         )
+        self.queue_heavy_confined = Counter(
+            "kvrouter_queue_heavy_confined",
+            "Decisions for a heavy tenant's request made among the backends under the headroom only "
+            "(queue_heavy_fraction of the busy threshold): the backends over it were left out",
+            ["model"], registry=registry,
+        )
         self.request_ttft = Histogram(
             "kvrouter_request_ttft_seconds",
             "Client time to first token, measured at the router: request received to the first stream chunk carrying "
@@ -455,6 +461,7 @@ QUEUE_DEPTH = _PROCESS.queue_depth
 QUEUE_WAIT = _PROCESS.queue_wait
 QUEUE_OUTCOMES = _PROCESS.queue_outcomes
 QUEUE_HEAVY_HELD = _PROCESS.queue_heavy_held
+QUEUE_HEAVY_CONFINED = _PROCESS.queue_heavy_confined
 REQUEST_TTFT = _PROCESS.request_ttft
 REQUEST_E2E = _PROCESS.request_e2e
 TOKENS = _PROCESS.tokens

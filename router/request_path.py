@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from indexer.index import Index, Worker
 from router import metrics
-from router.admission import OPEN, ModelQueue, priority_of, tenant_of
+from router.admission import OPEN, ModelQueue, Pass, priority_of, tenant_of
 from router.attempt import Attempts
 from router.choose import Decided, candidates, commit, prefill_tokens, uncached
 from kvconfig import RouterSettings
@@ -100,15 +100,17 @@ class RequestPath:
             admitted = await queue.admit(priority_of(body), tenant_of(body, headers.get("authorization"), tenant),
                                        disconnected, partial(self._uncached, rt, plan))
         try:
-            d = await self._choose(q, plan, headers, act, started)
+            d = await self._choose(q, plan, headers, act, started, admitted)
         except BaseException:
             admitted.taken()
             raise
         d.admitted, d.started, d.planned = admitted, started, planned
         return d
 
-    async def _choose(self, q: Query, plan: Plan, headers: Any, act: bool, started: float) -> Decided:
-        """Stages 4 and 5 (see :meth:`decide`)."""
+    async def _choose(self, q: Query, plan: Plan, headers: Any, act: bool, started: float,
+                      admitted: Pass = OPEN) -> Decided:
+        """Stages 4 and 5 (see :meth:`decide`); ``admitted`` confines a heavy tenant's request
+        to the backends with headroom (:meth:`router.admission.Pass.confine`)."""
         rt, body = q.rt, q.body
         hits: dict[Worker, dict[str, int]] = {}  # 4. look up
         lookup_s = 0.0
@@ -127,6 +129,7 @@ class RequestPath:
                 await self.settler.after_pending(rt.name, plan.keys[0])
             hits, lookup_s = await self._look_up(rt, plan.keys)
         cands = candidates(rt, hits, self.upstreams.pool, self.loads)  # 5. choose
+        confined = admitted.confine(cands)
         if not any(c.healthy for c in cands):
             raise NoHealthyBackend(f"no healthy backend for model {rt.name!r}")
         ctx = RequestCtx(
@@ -140,6 +143,9 @@ class RequestPath:
         if rt.engines is not None:
             await rt.engines.observe(ctx, cands, plan.token_ids, body, q.kind)
         decision = rt.policy.choose(ctx, cands)
+        if confined:
+            metrics.child(metrics.QUEUE_HEAVY_CONFINED, rt.name).inc()
+            decision.order += [b for b in confined if b not in decision.order]  # still there to fail over to
         if isinstance(plan, ExactIds) and plan.unsupported:
             decision.reason = "fallback"
         decision.detail["prepare_s"] = time.perf_counter() - started

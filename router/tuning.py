@@ -60,10 +60,10 @@ class Tuning(BaseModel):
     (``tokenizer_busy``) rather than queueing unbounded work and memory."""
     queue_heavy_fraction: float = Field(default=0.25, gt=0.0, le=1.0)
     """With the admission queue on, a tenant over twice its fair share of recent requests is let through only
-    while a backend's queued prefill is under this fraction of ``router.queue_busy_tokens`` (router/admission.py);
-    1 treats it as any other. 0.25 on the mixed workload's tuning seed 0 (against 0.5 and 1; 0.1 was no better
-    held out) and held-out seeds 1002 and 1003, with one tenant at 10x the others' rate: the others' TTFT p90
-    1.8x their own alone, against 3.9x at 1."""
+    to a backend with nothing queued for prefill, or under this fraction of ``router.queue_busy_tokens`` with
+    the request's uncached tokens added (router/admission.py); 1 treats it almost as any other. 0.25 on the
+    mixed workload's tuning seed 0 (against 0.5 and 1; 0.1 was no better held out), with one tenant at 10x the
+    others' rate; docs/benchmarks.md has the others' TTFT p90 against their own alone on held-out seeds."""
     client_timeout_s: float = Field(default=30.0, gt=0)
     """Longest a client may take to send a request's head (from its connection's opening, or the previous
     answer), or pause its body; then its connection is closed (router/http/guard.py)."""

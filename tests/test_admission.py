@@ -193,6 +193,45 @@ def test_a_heavy_tenant_waits_for_headroom_while_another_tenant_goes_through(sim
         proc.stop()
 
 
+def test_a_heavy_tenant_is_sent_only_to_a_backend_with_headroom(sim_fleet: Any, tmp_path: Path) -> None:
+    """Two backends; tenant h sends 10 of the first 12 requests. Its 2,000-token document is
+    prefilling on one backend (over the headroom of 750 tokens) when h asks a question on that
+    document: kv_aware alone sends it there, where the document's blocks are being computed,
+    but it goes to the idle backend, the one the queue let it through for."""
+    sim = sim_fleet("--speedup", "0.25", instances=2)  # the 2,000-token prefill takes ~0.6 s
+    port = free_port()
+    config = {"models": [model(sim_backend(sim, 0), sim_backend(sim, 1))],
+              "router": {"queue_busy_tokens": 3000, "health_interval_s": 0.5}}
+    (tmp_path / "router.yaml").write_text(yaml.safe_dump(config))
+    proc = Proc([*KVROUTER, "serve", "--config", str(tmp_path / "router.yaml"), "--port", str(port), "--workers", "1"],
+                tmp_path / "router.log")
+    url = f"http://127.0.0.1:{port}"
+    wait_http(url + "/health", timeout=120, proc=proc.popen)
+    try:
+        document = "a long document to prefill first " * 285
+
+        async def run() -> None:
+            async with httpx.AsyncClient(timeout=60) as c:
+                for name, user in [("x0", "x"), ("y0", "y"), *((f"h0-{i}", "h") for i in range(8))]:
+                    r = await complete(c, url, f"question {name} " * 20, user=user)  # one at a time: none waits
+                    assert r.status_code == 200, r.text
+                head = asyncio.ensure_future(complete(c, url, document, user="h"))
+                await asyncio.sleep(0.1)  # the document is prefilling
+                follow = await complete(c, url, document + " and what does it say about headroom?", user="h")
+                assert follow.status_code == 200 and (await head).status_code == 200, follow.text
+
+        asyncio.run(run())
+        lines = [json.loads(line) for line in (tmp_path / "router.log").read_text().splitlines()
+                 if line.startswith("{") and "/v1/" in line]
+        sent = {line["prompt_tokens"]: line["backend"] for line in lines}
+        document_tokens, follow_tokens = sorted(sent)[-2:]
+        assert sent[document_tokens] != sent[follow_tokens], sent
+        confined = scrape_labelled(url + "/metrics", "kvrouter_queue_heavy_confined_total", "model")
+        assert confined.get(MODEL) == 1, confined
+    finally:
+        proc.stop()
+
+
 def test_a_full_queue_and_a_wait_past_the_deadline_get_429_with_retry_after(sim_fleet: Any, tmp_path: Path) -> None:
     """``queue_max_waiting: 1``: with the backend busy and one request waiting, the next
     gets 429 at once; the one waiting gets 429 at ``queue_timeout_s`` if the backend is
