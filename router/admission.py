@@ -200,7 +200,7 @@ class ModelQueue:
             if least <= self.busy_tokens and not self.heavy(tenant):
                 return OPEN
         size = await prefill_tokens() if prefill_tokens is not None else 0  # before the bound: it may await
-        if self.depth == 0:
+        if self.depth == 0:  # a heavy tenant's, or any request while every backend is busy (no room then)
             if self.has_room(size):
                 return Pass(self, within=self.heavy_tokens, size=size)
             if self.least_queued() <= self.busy_tokens:
