@@ -268,13 +268,14 @@ class RouterMetrics:
         self.queue_heavy_held = Counter(
             "kvrouter_queue_heavy_held",
             "Requests of a tenant over twice its fair share of the model's recent arrivals that waited for headroom "
-            "(a backend under queue_heavy_fraction of the busy threshold) when another tenant's would have gone at once",
+            "(a backend with nothing queued, or its uncached tokens fitting under queue_heavy_fraction of the busy "
+            "threshold) when another tenant's would have gone at once",
             ["model"], registry=registry,
         )
         self.queue_heavy_confined = Counter(
             "kvrouter_queue_heavy_confined",
-            "Decisions for a heavy tenant's request made among the backends under the headroom only "
-            "(queue_heavy_fraction of the busy threshold): the backends over it were left out",
+            "Decisions for a heavy tenant's request made among the backends with room for it only "
+            "(see kvrouter_queue_heavy_held): the others were left out",
             ["model"], registry=registry,
         )
         self.request_ttft = Histogram(

@@ -110,7 +110,7 @@ class RequestPath:
     async def _choose(self, q: Query, plan: Plan, headers: Any, act: bool, started: float,
                       admitted: Pass = OPEN) -> Decided:
         """Stages 4 and 5 (see :meth:`decide`); ``admitted`` confines a heavy tenant's request
-        to the backends with headroom (:meth:`router.admission.Pass.confine`)."""
+        to the backends with room for it (:meth:`router.admission.Pass.confine`)."""
         rt, body = q.rt, q.body
         hits: dict[Worker, dict[str, int]] = {}  # 4. look up
         lookup_s = 0.0

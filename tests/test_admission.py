@@ -28,9 +28,9 @@ LONG = "a long document to prefill first " * 500
 """About 3,500 tokens: at speedup 1 the engine takes ~0.28 s to prefill it, ~1.1 s at speedup 0.25."""
 
 
-def serve(sim: Any, tmp: Path, env: dict[str, str] | None = None, **queue: Any) -> tuple[Proc, str]:
+def serve(sim: Any, tmp: Path, env: dict[str, str] | None = None, backends: int = 1, **queue: Any) -> tuple[Proc, str]:
     port = free_port()
-    config = {"models": [model(sim_backend(sim, 0))],
+    config = {"models": [model(*(sim_backend(sim, i) for i in range(backends)))],
               "router": {"queue_busy_tokens": 1, "health_interval_s": 0.5, **queue}}
     path = tmp / "router.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -199,14 +199,7 @@ def test_a_heavy_tenant_is_sent_only_to_a_backend_with_headroom(sim_fleet: Any, 
     document: kv_aware alone sends it there, where the document's blocks are being computed,
     but it goes to the idle backend, the one the queue let it through for."""
     sim = sim_fleet("--speedup", "0.25", instances=2)  # the 2,000-token prefill takes ~0.6 s
-    port = free_port()
-    config = {"models": [model(sim_backend(sim, 0), sim_backend(sim, 1))],
-              "router": {"queue_busy_tokens": 3000, "health_interval_s": 0.5}}
-    (tmp_path / "router.yaml").write_text(yaml.safe_dump(config))
-    proc = Proc([*KVROUTER, "serve", "--config", str(tmp_path / "router.yaml"), "--port", str(port), "--workers", "1"],
-                tmp_path / "router.log")
-    url = f"http://127.0.0.1:{port}"
-    wait_http(url + "/health", timeout=120, proc=proc.popen)
+    proc, url = serve(sim, tmp_path, backends=2, queue_busy_tokens=3000)
     try:
         document = "a long document to prefill first " * 285
 
