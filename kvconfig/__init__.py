@@ -308,7 +308,8 @@ class RouterSettings(_Strict):
     ``user``, else the client's key), then, within a tenant, shorter uncached prompts
     before longer ones, aged by their wait (arrival order while the queue has no recent
     wait). A tenant sending more than twice its fair share of the recent requests is let
-    through only while a backend is well under the threshold, so the others find room.
+    through only to a backend with room for it (nothing queued, or its uncached tokens fit
+    under a quarter of the threshold), so the others find short queues.
     About one engine step of prefill (``--max-num-batched-tokens``) is a place to start."""
     queue_max_waiting: int = Field(default=1024, ge=1)
     """Most requests one router process holds waiting per model; one more gets 429 with

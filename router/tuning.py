@@ -63,7 +63,9 @@ class Tuning(BaseModel):
     to a backend with nothing queued for prefill, or under this fraction of ``router.queue_busy_tokens`` with
     the request's uncached tokens added (router/admission.py); 1 treats it almost as any other. 0.25 on the
     mixed workload's tuning seed 0 (against 0.5 and 1; 0.1 was no better held out), with one tenant at 10x the
-    others' rate; docs/benchmarks.md has the others' TTFT p90 against their own alone on held-out seeds."""
+    others' rate; with requests sized against it, 0.125 and 0.5 were no better on tuning seeds 11 and 12 (0.125
+    within 4%, with more of the heavy tenant's requests timing out). docs/benchmarks.md has the others' TTFT p90
+    against their own alone on held-out seeds."""
     client_timeout_s: float = Field(default=30.0, gt=0)
     """Longest a client may take to send a request's head (from its connection's opening, or the previous
     answer), or pause its body; then its connection is closed (router/http/guard.py)."""
