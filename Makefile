@@ -155,7 +155,7 @@ QUEUE_RATE ?= $(shell $(BIN)/python -c "import json; d=json.load(open('$(BENCH_O
   print(round(1.3*d['capacity_at_slo']['kv_aware']['req_per_s']/d['meta']['trace_rate_per_s'],4))" 2>/dev/null)
 QUEUE_ON := --router-setting queue_busy_tokens=8192 --router-setting queue_timeout_s=5
 QUEUE_RUN = $(BENCH_LOCK) $(BIN)/kvrouter bench --policies kv_aware --speedup 2 --rate-scale $(QUEUE_RATE) --quiet
-# Seeds 1003 and 1004's fairness runs go at speedup 1: at speedup 2 the 400 requests arrive within ~4 s of wall
+# Seeds 1003-1006's fairness runs go at speedup 1: at speedup 2 the 400 requests arrive within ~4 s of wall
 # time, and on 2 cores the host then adds to the other tenants' TTFT (up to 430 engine ms at p90 outside the router).
 FAIR_RUN = $(BENCH_LOCK) $(BIN)/kvrouter bench --policies kv_aware --speedup 1 --rate-scale $(QUEUE_RATE) --quiet
 bench-queue: install
@@ -174,7 +174,7 @@ bench-queue: install
 	  $(QUEUE_RUN) --out $(BENCH_OUT)/queue/noisy-on-$$rep --workload mixed --seed 1002 --mix noisy_tenant=10 \
 	    --max-requests 400 $(QUEUE_ON) || exit 1; \
 	done
-	for rep in 1 2 3; do for seed in 1003 1004; do \
+	for rep in 1 2 3; do for seed in 1003 1004 1005 1006; do \
 	  $(FAIR_RUN) --out $(BENCH_OUT)/queue/quiet-$$seed-$$rep --workload mixed --seed $$seed --mix noisy_tenant=10 \
 	    --max-requests 400 --drop-tenant tenant-0 || exit 1; \
 	  $(FAIR_RUN) --out $(BENCH_OUT)/queue/noisy-on-$$seed-$$rep --workload mixed --seed $$seed --mix noisy_tenant=10 \
