@@ -149,15 +149,16 @@ bench-capacity: install
 # The router queue (router.queue_busy_tokens) past the fleet's capacity, on held-out mixed seeds: QUEUE_RATE is
 # the rate scale at 1.3x kv_aware's capacity at SLO from bench-capacity's mixed-1001 run. Queue off against on
 # (seed 1001), then fairness (seed 1002): the other tenants alone, then with tenant-0 at 10x each one's rate,
-# queue off, on without headroom for the other tenants (queue_heavy_fraction=1), and on; then seeds 1003-1007 alone and on. The busy threshold is one engine step of prefill (the simulator's --max-num-batched-tokens),
+# queue off, on without headroom for the other tenants (queue_heavy_fraction=1), and on; then FAIR_SEEDS alone and on. The busy threshold is one engine step of prefill (the simulator's --max-num-batched-tokens),
 # the deadline 5 s of wall time (10 s of engine time at speedup 2, 4x the mixed workload's SLO).
 QUEUE_RATE ?= $(shell $(BIN)/python -c "import json; d=json.load(open('$(BENCH_OUT)/capacity/mixed-1001/results.json')); \
   print(round(1.3*d['capacity_at_slo']['kv_aware']['req_per_s']/d['meta']['trace_rate_per_s'],4))" 2>/dev/null)
 QUEUE_ON := --router-setting queue_busy_tokens=8192 --router-setting queue_timeout_s=5
 QUEUE_RUN = $(BENCH_LOCK) $(BIN)/kvrouter bench --policies kv_aware --speedup 2 --rate-scale $(QUEUE_RATE) --quiet
-# Seeds 1003-1007's fairness runs go at speedup 1: at speedup 2 the 400 requests arrive within ~4 s of wall
+# FAIR_SEEDS' fairness runs go at speedup 1: at speedup 2 the 400 requests arrive within ~4 s of wall
 # time, and on 2 cores the host then adds to the other tenants' TTFT (up to 430 engine ms at p90 outside the router).
 FAIR_RUN = $(BENCH_LOCK) $(BIN)/kvrouter bench --policies kv_aware --speedup 1 --rate-scale $(QUEUE_RATE) --quiet
+FAIR_SEEDS ?= 1003 1004 1005 1006 1007
 bench-queue: install
 	@test -n "$(QUEUE_RATE)" || { echo "run make bench-capacity first (or set QUEUE_RATE)"; exit 1; }
 	for rep in 1 2 3; do \
@@ -174,7 +175,7 @@ bench-queue: install
 	  $(QUEUE_RUN) --out $(BENCH_OUT)/queue/noisy-on-$$rep --workload mixed --seed 1002 --mix noisy_tenant=10 \
 	    --max-requests 400 $(QUEUE_ON) || exit 1; \
 	done
-	for rep in 1 2 3; do for seed in 1003 1004 1005 1006 1007; do \
+	for rep in 1 2 3; do for seed in $(FAIR_SEEDS); do \
 	  $(FAIR_RUN) --out $(BENCH_OUT)/queue/quiet-$$seed-$$rep --workload mixed --seed $$seed --mix noisy_tenant=10 \
 	    --max-requests 400 --drop-tenant tenant-0 || exit 1; \
 	  $(FAIR_RUN) --out $(BENCH_OUT)/queue/noisy-on-$$seed-$$rep --workload mixed --seed $$seed --mix noisy_tenant=10 \
