@@ -158,7 +158,7 @@ QUEUE_RUN = $(BENCH_LOCK) $(BIN)/kvrouter bench --policies kv_aware --speedup 2 
 # FAIR_SEEDS' fairness runs go at speedup 1: at speedup 2 the 400 requests arrive within ~4 s of wall
 # time, and on 2 cores the host then adds to the other tenants' TTFT (up to 430 engine ms at p90 outside the router).
 FAIR_RUN = $(BENCH_LOCK) $(BIN)/kvrouter bench --policies kv_aware --speedup 1 --rate-scale $(QUEUE_RATE) --quiet
-FAIR_SEEDS ?= 1003 1004 1005 1006 1007 1008 1009
+FAIR_SEEDS ?= 1003 1004 1005 1006 1007 1008 1009 1010 1011 1012
 bench-queue: install
 	@test -n "$(QUEUE_RATE)" || { echo "run make bench-capacity first (or set QUEUE_RATE)"; exit 1; }
 	for rep in 1 2 3; do \
