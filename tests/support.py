@@ -153,6 +153,23 @@ def wait_for(cond: Callable[[], bool], what: str, timeout: float = 20.0) -> None
     raise TimeoutError(f"timed out waiting for {what}")
 
 
+def access_lines(log: Path, count: int = 0, path: str = "", timeout: float = 10.0) -> list[dict[str, Any]]:
+    """The access-log lines (JSON objects, one a line) in the router's log ``log`` for paths that
+    start with ``path``, once there are ``count``: a line is written after the answer's last byte
+    goes out, so a client can hold an answer a moment before its line exists."""
+    lines: list[dict[str, Any]] = []
+
+    def enough() -> bool:
+        nonlocal lines
+        text = log.read_text(errors="replace") if log.exists() else ""
+        lines = [json.loads(line) for line in text.splitlines() if line.startswith('{"request_id"')]
+        lines = [line for line in lines if line["path"].startswith(path)]
+        return len(lines) >= count
+
+    wait_for(enough, f"{count} access-log lines for {path or 'any path'}", timeout=timeout)
+    return lines
+
+
 class RouterProc:
     """``kvrouter serve`` on a free loopback port with the given config (a dict, written as YAML)."""
 

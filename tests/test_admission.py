@@ -9,7 +9,6 @@ the order in which the answers come back is the order the queue let them through
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,7 @@ import pytest
 import yaml
 
 from loadtest.fleet import scrape_labelled
-from support import KVROUTER, Proc, free_port, wait_for, wait_http
+from support import KVROUTER, Proc, access_lines, free_port, wait_http
 from test_workers import MODEL, model, sim_backend
 
 pytestmark = pytest.mark.slow
@@ -43,17 +42,6 @@ def serve(sim: Any, tmp: Path, env: dict[str, str] | None = None, backends: int 
 
 async def complete(c: httpx.AsyncClient, url: str, prompt: str, **fields: Any) -> httpx.Response:
     return await c.post(url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1, **fields})
-
-
-def access_lines(log: Path, count: int) -> list[dict[str, Any]]:
-    """The router's first ``count`` access-log lines for ``/v1/`` requests, waiting for them: a
-    line is written once the answer's last byte has gone out, so the client can hold the answer
-    a moment before its line exists."""
-    def read() -> list[dict[str, Any]]:
-        return [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{") and "/v1/" in line]
-
-    wait_for(lambda: len(read()) >= count, f"{count} access-log lines", timeout=10)
-    return read()
 
 
 def outcomes(url: str) -> dict[str, float]:
@@ -195,7 +183,7 @@ def test_a_heavy_tenant_waits_for_headroom_while_another_tenant_goes_through(sim
         order = asyncio.run(run())
         assert order.index("x1") < order.index("h1") and order[-1] == "h1", order
         assert outcomes(url).get("dispatched") == 2, outcomes(url)  # h1 waited for headroom, x1 for its turn
-        waits = [line["queue_wait_ms"] for line in access_lines(tmp_path / "router.log", 13) if "queue_wait_ms" in line]
+        waits = [line["queue_wait_ms"] for line in access_lines(tmp_path / "router.log", 13, "/v1/") if "queue_wait_ms" in line]
         assert len(waits) == 2 and max(waits) > 200, waits  # the access log says who waited, and how long
         held = scrape_labelled(url + "/metrics", "kvrouter_queue_heavy_held_total", "model")
         assert held.get(MODEL) == 1, held
@@ -224,7 +212,7 @@ def test_a_heavy_tenant_is_sent_only_to_a_backend_with_headroom(sim_fleet: Any, 
                 assert follow.status_code == 200 and (await head).status_code == 200, follow.text
 
         asyncio.run(run())
-        sent = {line["prompt_tokens"]: line["backend"] for line in access_lines(tmp_path / "router.log", 12)}
+        sent = {line["prompt_tokens"]: line["backend"] for line in access_lines(tmp_path / "router.log", 12, "/v1/")}
         document_tokens, follow_tokens = sorted(sent)[-2:]
         assert sent[document_tokens] != sent[follow_tokens], sent
         confined = scrape_labelled(url + "/metrics", "kvrouter_queue_heavy_confined_total", "model")

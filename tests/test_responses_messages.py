@@ -19,7 +19,7 @@ import pytest
 
 from router.http.responses import ResponseMemory, created_id
 from router.http.sse import ANTHROPIC, RESPONSES, EventCut
-from support import RouterProc, metric_sum, openai_error, wait_for
+from support import RouterProc, access_lines, metric_sum, openai_error, wait_for
 from test_request_observability import sim_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -44,19 +44,6 @@ def _events(raw: bytes) -> list[tuple[str, dict[str, Any] | str]]:
         text = "\n".join(data)
         out.append((name, text if text == "[DONE]" else json.loads(text)))
     return out
-
-
-def _access_lines(router: RouterProc, path_prefix: str, n: int) -> list[dict[str, Any]]:
-    lines: list[dict[str, Any]] = []
-
-    def enough() -> bool:
-        nonlocal lines
-        lines = [json.loads(line) for line in router.log().splitlines() if line.startswith('{"request_id"')]
-        lines = [line for line in lines if line["path"].startswith(path_prefix)]
-        return len(lines) >= n
-
-    wait_for(enough, f"{n} access-log lines for {path_prefix}", timeout=10)
-    return lines
 
 
 def _turn(c: httpx.Client, previous: str | None, text: str, stream: bool, request_id: str = "") -> tuple[str, str, dict[str, Any]]:
@@ -108,7 +95,7 @@ def test_a_chain_of_follow_ups_stays_on_the_engine_that_holds_it(sim_fleet: Any,
         assert metric_sum(metrics, "kvrouter_passthrough_decisions_total", reason="response_engine", **endpoint) == 8
         assert metric_sum(metrics, "kvrouter_passthrough_decisions_total", reason="least_loaded", **endpoint) == 1
         assert metric_sum(metrics, "kvrouter_upstream_failures_total") == 0  # no stream was taken for cut short
-        lines = _access_lines(router, "/v1/responses", 9)
+        lines = access_lines(router.log_path, 9, "/v1/responses")
         turns = [line for line in lines if line["request_id"].startswith("turn-")]
         assert [line["reason"] for line in turns] == ["least_loaded"] + ["response_engine"] * 4
         assert all(line["status"] == 200 and line["completion_tokens"] == 6 for line in turns)
@@ -151,7 +138,7 @@ def test_a_response_the_router_does_not_know_is_searched_for(sim_fleet: Any, tmp
         assert count("response_engine", "/v1/responses/{id}") == 1 and count("response_engine", "/v1/responses/{id}/cancel") == 1
         assert count("response_unknown", "/v1/responses/{id}") == 1
         assert metric_sum(metrics, "kvrouter_upstream_retries_total", reason="status_404") == 2 + 2 + 2
-        reasons = [line["reason"] for line in _access_lines(router, "/v1/responses", 6)]
+        reasons = [line["reason"] for line in access_lines(router.log_path, 6, "/v1/responses")]
         assert reasons[:4] == ["fallback", "response_engine", "response_engine", "response_engine"]
     finally:
         router.stop()
@@ -204,7 +191,7 @@ def test_messages_are_proxied_streamed_and_not(sim_fleet: Any, tmp_path: Path) -
             assert "content_block_delta" in names and "error" not in names
             metrics = c.get("/metrics").text
         assert metric_sum(metrics, "kvrouter_passthrough_decisions_total", endpoint="/v1/messages", reason="least_loaded") == 2
-        plain, streamed = _access_lines(router, "/v1/messages", 2)
+        plain, streamed = access_lines(router.log_path, 2, "/v1/messages")
         for line in (plain, streamed):
             assert line["status"] == 200 and line["reason"] == "least_loaded" and line["model"] == MODEL
             assert line["prompt_tokens"] == answer["usage"]["input_tokens"] and line["completion_tokens"] > 0

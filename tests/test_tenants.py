@@ -24,7 +24,7 @@ import yaml
 
 from kvconfig import ConfigError, parse_config
 from router.http.tenants import SALT_CONTEXT, Tenant, TokenBucket, salted
-from support import KVROUTER, QWEN3_DIR, Proc, RouterProc, free_ports, metric_sum, openai_error, wait_for, wait_http
+from support import KVROUTER, QWEN3_DIR, Proc, RouterProc, access_lines, free_ports, metric_sum, openai_error, wait_for, wait_http
 
 pytestmark = pytest.mark.slow
 
@@ -107,10 +107,6 @@ def indexed(router: RouterProc, text: str, salt: str | None) -> None:
     wait_for(held, "the engine's blocks to reach the router's index", timeout=10)
 
 
-def access_lines(router: RouterProc) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in router.log().splitlines() if line.startswith('{"request_id"')]
-
-
 def test_another_tenants_cached_prompt_is_a_miss(router: RouterProc) -> None:
     text = prompt()
     assert cached(complete(router, KEYS["alpha"], text)) == 0
@@ -154,8 +150,8 @@ def test_predicted_cached_tokens_equal_the_engines_with_salts(router: RouterProc
             assert r.status_code == 200, r.text
             ids.append(rid)
             indexed(router, text, salt_of(name))
-    wait_for(lambda: {line["request_id"] for line in access_lines(router)} >= set(ids), "the access-log lines")
-    lines = [line for line in access_lines(router) if line["request_id"] in ids]
+    wait_for(lambda: {line["request_id"] for line in access_lines(router.log_path)} >= set(ids), "the access-log lines")
+    lines = [line for line in access_lines(router.log_path) if line["request_id"] in ids]
     assert all(line["predicted_cached_tokens"] == line["cached_tokens"] for line in lines), lines
     assert sum(line["cached_tokens"] > 0 for line in lines) == 4, lines  # each tenant's second round hit
 
