@@ -45,6 +45,18 @@ make it a long one; the other tenants' requests that their own cache or the load
 to that backend waited behind it. Its demand is counted on arrival, so holding it back does
 not make it look light.
 
+*A heavy tenant's own backends* (the lab's ``queue_heavy_subset``, off by default): room
+alone still lets a heavy tenant's prefill into every engine in turn, and an engine runs the
+prefill it has started before any it has not, so where the fleet is not busy the other
+tenants' first tokens wait on its chunks wherever their cache sends them. With the knob on,
+a heavy tenant's requests go only to its share of the model's ``N`` backends (``N`` x its
+share of the recent arrivals, rounded: :meth:`ModelQueue.subset`), picked by rendezvous
+hashing on the tenant and the backend: the same ones while its share holds, alike in every
+process, and a backend gone moves only the requests that were on it. The rest of the fleet
+serves the other tenants free of its prefill; kv_aware's cost of the prefill queued there
+keeps them off its backends unless their cache there saves more. It stays off until
+held-out runs favour it on every seed (docs/benchmarks.md, the router queue).
+
 A request that finds the queue empty and a backend not busy pays one pass over the
 model's backends (no await, no allocation beyond the check); a heavy tenant's also pays a
 look-up of its uncached tokens.
@@ -100,6 +112,8 @@ class Pass:
     within: float = math.inf
     """The headroom a heavy tenant's request was let through for (see the module docstring);
     unbounded for the others."""
+    allowed: frozenset[str] | None = None
+    """A heavy tenant's own backends (:meth:`ModelQueue.subset`); None: any."""
     size: int = 0
     """Its prompt tokens no backend holds: orders it within its tenant, and sizes a heavy
     tenant's request against the headroom."""
@@ -108,16 +122,19 @@ class Pass:
         self.done.set()
 
     def confine(self, candidates: list[Candidate]) -> list[str]:
-        """Keep a heavy tenant's request off the backends without room for it (:func:`room`;
-        if none has room any more, off those over the headroom), while one remains: they are
-        made unroutable for this decision and returned, for the caller to append to the
-        decision's failover order."""
+        """Keep a heavy tenant's request on its own backends, and off those without room for
+        it (:func:`room`; if none has room any more, off those over the headroom, then only
+        on its own), while one remains: the others are made unroutable for this decision and
+        returned, for the caller to append to the decision's failover order."""
         if self.queue is None or math.isinf(self.within):
             return []
         queued = {c.backend: self.queue.queued(c.backend) for c in candidates if c.healthy}
-        over = {b for b, q in queued.items() if not room(q, self.size, self.within)}
+        outside = {b for b in queued if self.allowed is not None and b not in self.allowed}
+        over = outside | {b for b, q in queued.items() if not room(q, self.size, self.within)}
         if len(over) == len(queued):
-            over = {b for b, q in queued.items() if q > self.within}
+            over = outside | {b for b, q in queued.items() if q > self.within}
+        if len(over) == len(queued):
+            over = outside
         if not over or len(over) == len(queued):
             return []
         for c in candidates:
@@ -135,13 +152,16 @@ class ModelQueue:
     order within a tenant."""
 
     def __init__(self, model: str, backends: Callable[[], list[str]], loads: LoadTracker, busy_tokens: int,
-                 max_waiting: int, timeout_s: float, heavy_fraction: float) -> None:
+                 max_waiting: int, timeout_s: float, heavy_fraction: float, heavy_subset: bool = False) -> None:
         self.model = model
         self._backends = backends
         self._loads = loads
         self.busy_tokens = busy_tokens
         self.heavy_tokens = busy_tokens * heavy_fraction
         """The busy threshold a heavy tenant's requests see (see the module docstring)."""
+        self.heavy_subset = heavy_subset
+        """Whether a heavy tenant keeps to its own backends (:meth:`subset`; a lab knob)."""
+        self._ranks: dict[tuple[str, tuple[str, ...]], list[str]] = {}
         self._shares = Shares(SHARE_WINDOW)
         self._tenants = 1
         self._recount_at = 0
@@ -176,10 +196,31 @@ class ModelQueue:
             queued += load.scraped_unseen * mean
         return queued
 
-    def has_room(self, size: int) -> bool:
-        """Whether a heavy tenant's request of ``size`` uncached tokens may go: a backend has
-        nothing queued, or stays under the headroom with it."""
-        return any(room(self.queued(name), size, self.heavy_tokens) for name in self._backends())
+    def has_room(self, size: int, tenant: str) -> bool:
+        """Whether a heavy tenant's request of ``size`` uncached tokens may go: one of its own
+        backends (:meth:`subset`) has nothing queued, or stays under the headroom with it."""
+        allowed = self.subset(tenant)
+        return any(room(self.queued(name), size, self.heavy_tokens) for name in self._backends()
+                   if allowed is None or name in allowed)
+
+    def subset(self, tenant: str) -> frozenset[str] | None:
+        """A heavy tenant's own backends: as many of the model's ``N`` routable ones as ``N`` x
+        its share of the recent arrivals, rounded (at least one), those that rank first by a
+        hash of (tenant, backend) (rendezvous hashing); None when that is all of them (see the
+        module docstring)."""
+        names = self._backends()
+        if not self.heavy_subset or len(names) < 2 or self._shares.total <= 0:
+            return None
+        k = math.floor(len(names) * self._shares.of(tenant) / self._shares.total + 0.5)
+        if k >= len(names):
+            return None
+        key = (tenant, tuple(names))
+        ranked = self._ranks.get(key)
+        if ranked is None:
+            if len(self._ranks) > 256:  # backends come and go: keep only what is in use
+                self._ranks.clear()
+            ranked = self._ranks[key] = sorted(names, key=lambda b: _rank(tenant, b))
+        return frozenset(ranked[:max(1, k)])
 
     def heavy(self, tenant: str) -> bool:
         """Whether ``tenant`` sent more than ``HEAVY_SHARE`` times its fair share of the recent arrivals."""
@@ -201,8 +242,8 @@ class ModelQueue:
                 return OPEN
         size = await prefill_tokens() if prefill_tokens is not None else 0  # before the bound: it may await
         if self.depth == 0:  # a heavy tenant's, or any request while every backend is busy (no room then)
-            if self.has_room(size):
-                return Pass(self, within=self.heavy_tokens, size=size)
+            if self.has_room(size, tenant):
+                return Pass(self, within=self.heavy_tokens, size=size, allowed=self.subset(tenant))
             if self.least_queued() <= self.busy_tokens:
                 metrics.child(metrics.QUEUE_HEAVY_HELD, self.model).inc()
         if self.depth >= self.max_waiting:
@@ -228,7 +269,7 @@ class ModelQueue:
                 gone.cancel()
         if p.released.done():  # let through (at the deadline too: it goes)
             if self.heavy(tenant):
-                p.within = self.heavy_tokens
+                p.within, p.allowed = self.heavy_tokens, self.subset(tenant)
             p.waited = waited = time.monotonic() - p.arrived
             self._wait_ewma += 0.1 * (waited - self._wait_ewma)
             metrics.child(metrics.QUEUE_WAIT, self.model).observe(waited)
@@ -254,12 +295,12 @@ class ModelQueue:
 
     def _pop(self) -> Pass | None:
         """The next request: the lowest priority band, its next tenant in turn that is not
-        heavy or whose next request has room (:meth:`has_room`), that tenant's earliest
+        heavy or whose next request has room on its backends (:meth:`has_room`), that tenant's earliest
         deadline (the tenant then moves to the back of the band's rotation)."""
         while self._bands:
             prio = min(self._bands)
             band = self._bands[prio]
-            tenant = next((t for t in band if not self.heavy(t) or self.has_room(band[t][0][2].size)), None)
+            tenant = next((t for t in band if not self.heavy(t) or self.has_room(band[t][0][2].size, t)), None)
             if tenant is None:
                 return None
             line = band[tenant]
@@ -324,6 +365,11 @@ class ModelQueue:
     def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
+
+
+def _rank(tenant: str, backend: str) -> bytes:
+    """Rendezvous rank of ``backend`` for ``tenant``: the same in every process (``hash`` is salted)."""
+    return hashlib.blake2b(f"{tenant}\0{backend}".encode(), digest_size=8).digest()
 
 
 def room(queued: float, size: int, headroom: float) -> bool:

@@ -227,7 +227,8 @@ class Router:
             return lambda: [b for b in rt.backends if pool.get(b).routable]
 
         return {rt.name: ModelQueue(rt.name, routable(rt), self.loads, busy, self.settings.queue_max_waiting,
-                                    self.settings.queue_timeout_s, self.tuning.queue_heavy_fraction)
+                                    self.settings.queue_timeout_s, self.tuning.queue_heavy_fraction,
+                                    self.tuning.queue_heavy_subset)
                 for rt in self.models}
 
     async def stop(self) -> None:
