@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import hashlib
 import heapq
 import itertools
@@ -161,7 +162,6 @@ class ModelQueue:
         """The busy threshold a heavy tenant's requests see (see the module docstring)."""
         self.heavy_subset = heavy_subset
         """Whether a heavy tenant keeps to its own backends (:meth:`subset`; a lab knob)."""
-        self._ranks: dict[tuple[str, tuple[str, ...]], list[str]] = {}
         self._shares = Shares(SHARE_WINDOW)
         self._tenants = 1
         self._recount_at = 0
@@ -199,28 +199,21 @@ class ModelQueue:
     def has_room(self, size: int, tenant: str) -> bool:
         """Whether a heavy tenant's request of ``size`` uncached tokens may go: one of its own
         backends (:meth:`subset`) has nothing queued, or stays under the headroom with it."""
-        allowed = self.subset(tenant)
-        return any(room(self.queued(name), size, self.heavy_tokens) for name in self._backends()
-                   if allowed is None or name in allowed)
+        names = self.subset(tenant) or self._backends()
+        return any(room(self.queued(name), size, self.heavy_tokens) for name in names)
 
     def subset(self, tenant: str) -> frozenset[str] | None:
         """A heavy tenant's own backends: as many of the model's ``N`` routable ones as ``N`` x
         its share of the recent arrivals, rounded (at least one), those that rank first by a
-        hash of (tenant, backend) (rendezvous hashing); None when that is all of them (see the
-        module docstring)."""
-        names = self._backends()
-        if not self.heavy_subset or len(names) < 2 or self._shares.total <= 0:
+        hash of (tenant, backend) (rendezvous hashing); None when that is all of them, or the
+        lab knob is off (see the module docstring)."""
+        if not self.heavy_subset or self._shares.total <= 0:
             return None
+        names = self._backends()
         k = math.floor(len(names) * self._shares.of(tenant) / self._shares.total + 0.5)
         if k >= len(names):
             return None
-        key = (tenant, tuple(names))
-        ranked = self._ranks.get(key)
-        if ranked is None:
-            if len(self._ranks) > 256:  # backends come and go: keep only what is in use
-                self._ranks.clear()
-            ranked = self._ranks[key] = sorted(names, key=lambda b: _rank(tenant, b))
-        return frozenset(ranked[:max(1, k)])
+        return frozenset(_ranked(tenant, tuple(names))[:max(1, k)])
 
     def heavy(self, tenant: str) -> bool:
         """Whether ``tenant`` sent more than ``HEAVY_SHARE`` times its fair share of the recent arrivals."""
@@ -367,9 +360,12 @@ class ModelQueue:
             self._task.cancel()
 
 
-def _rank(tenant: str, backend: str) -> bytes:
-    """Rendezvous rank of ``backend`` for ``tenant``: the same in every process (``hash`` is salted)."""
-    return hashlib.blake2b(f"{tenant}\0{backend}".encode(), digest_size=8).digest()
+@functools.lru_cache(maxsize=256)
+def _ranked(tenant: str, names: tuple[str, ...]) -> tuple[str, ...]:
+    """``names`` in ``tenant``'s rendezvous order: by a hash of (tenant, backend) that every
+    process computes alike (``hash`` is salted per process). Cached: the queue asks again on
+    every poll while a heavy tenant waits, and the backends seldom change."""
+    return tuple(sorted(names, key=lambda b: hashlib.blake2b(f"{tenant}\0{b}".encode(), digest_size=8).digest()))
 
 
 def room(queued: float, size: int, headroom: float) -> bool:
