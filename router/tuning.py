@@ -66,12 +66,12 @@ class Tuning(BaseModel):
     others' rate; with requests sized against it, 0.125 and 0.5 were no better on tuning seeds 11 and 12 (0.125
     within 4%, with more of the heavy tenant's requests timing out). docs/benchmarks.md has the others' TTFT p90
     against their own alone on held-out seeds."""
-    queue_heavy_subset: bool = False
+    queue_heavy_subset: bool = True
     """With the admission queue on, a heavy tenant's requests go only to its share of a model's backends
-    (router/admission.py), so that the rest serve the other tenants free of its prefill. Off: beside a tenant at
-    10x the others' rate it lowered their TTFT p90 where the fleet was not busy (0.71x on held-out seed 1003) and
-    raised it up to 10% where it was (0.94x over seven held-out seeds), and the heavy tenant got several times
-    the 429s (docs/benchmarks.md, the router queue)."""
+    (router/admission.py), so that the rest serve the other tenants free of its prefill. Beside a tenant at 10x
+    the others' rate it lowered their TTFT p90 where the fleet was not busy (0.86x on held-out seed 1015, 0.71x
+    on 1003) and left it level where the fleet was (0.95x over held-out seeds 1013-1015); the heavy tenant gets
+    several times the 429s (docs/benchmarks.md, the router queue). False: it goes to any backend with room."""
     client_timeout_s: float = Field(default=30.0, gt=0)
     """Longest a client may take to send a request's head (from its connection's opening, or the previous
     answer), or pause its body; then its connection is closed (router/http/guard.py)."""

@@ -235,13 +235,13 @@ def test_a_heavy_tenant_is_sent_only_to_a_backend_with_headroom(sim_fleet: Any, 
 
 def test_a_heavy_tenant_keeps_to_its_share_of_the_backends_and_the_others_keep_the_rest(sim_fleet: Any,
                                                                                        tmp_path: Path) -> None:
-    """The lab's ``queue_heavy_subset`` on, four backends; tenant h sends every other request,
+    """``queue_heavy_subset`` (on by default), four backends; tenant h sends every other request,
     half of the recent arrivals, so once it is heavy its requests go only to 4 x 1/2 = 2 of
     them (the rest serve the other tenants free of its prefill), the same two all along. The
     other tenants' requests, each on a prefix of its own, still go to the others too
     (kv_aware's tie-break by the prefix)."""
     sim = sim_fleet("--speedup", "0.25", instances=4)
-    proc, url = serve(sim, tmp_path, backends=4, tuning={"queue_heavy_subset": True}, queue_busy_tokens=3000)
+    proc, url = serve(sim, tmp_path, backends=4, queue_busy_tokens=3000)
     try:
         names: list[str] = []
 
