@@ -9,7 +9,6 @@ the order in which the answers come back is the order the queue let them through
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -28,15 +27,13 @@ LONG = "a long document to prefill first " * 500
 """About 3,500 tokens: at speedup 1 the engine takes ~0.28 s to prefill it, ~1.1 s at speedup 0.25."""
 
 
-def serve(sim: Any, tmp: Path, env: dict[str, str] | None = None, backends: int = 1, tuning: dict[str, Any] | None = None,
-          **queue: Any) -> tuple[Proc, str]:
+def serve(sim: Any, tmp: Path, env: dict[str, str] | None = None, backends: int = 1, **queue: Any) -> tuple[Proc, str]:
     port = free_port()
     config = {"models": [model(*(sim_backend(sim, i) for i in range(backends)))],
               "router": {"queue_busy_tokens": 1, "health_interval_s": 0.5, **queue}}
     path = tmp / "router.yaml"
     path.write_text(yaml.safe_dump(config))
-    lab = ["--tuning", json.dumps(tuning)] if tuning else []
-    proc = Proc([*KVROUTER, "serve", "--config", str(path), "--port", str(port), "--workers", "1", *lab],
+    proc = Proc([*KVROUTER, "serve", "--config", str(path), "--port", str(port), "--workers", "1"],
                 tmp / "router.log", env=env)
     url = f"http://127.0.0.1:{port}"
     wait_http(url + "/health", timeout=120, proc=proc.popen)
