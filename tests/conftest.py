@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from router.prompt.tokenize import PromptTokenizer
-from support import QWEN3_DIR, Proc, free_port, wait_port
+from support import KVROUTER, QWEN3_DIR, Proc, free_port, free_ports, wait_http, wait_port
 
 # Every `kvrouter serve` a test starts is one process unless it asks for workers (--workers,
 # tests/test_workers.py): the tests read one router's own state (its /debug/index, policy
@@ -77,8 +77,6 @@ class SimFleet:
 @pytest.fixture
 def sim_fleet(tmp_path):
     """Factory ``sim_fleet(*extra_args, instances=1, model="qwen3")``: a real ``kvrouter sim`` on free ports, always stopped."""
-    from support import QWEN3_DIR, KVROUTER, free_ports, wait_http
-
     started: list[Proc] = []
 
     def start(*extra: str, instances: int = 1, model: str = "qwen3") -> SimFleet:
