@@ -1,0 +1,87 @@
+"""The router's upstream pool never hands a request a connection that is already dead.
+
+aiohttp 3.14 re-arms its ``sock_read`` timer on a keep-alive connection after the response
+that used it has ended: when the last bytes of a large streamed body arrive while the reader
+is paused for backpressure (a slow client behind the relay), draining the buffer resumes
+reading and starts the timer on a connection already back in the pool. When it fires, the
+connection carries a timeout, and the next request that takes it from the pool fails at once,
+a 504 "did not answer in time" a few milliseconds after it was sent (aio-libs/aiohttp#12953;
+3.14.5 still does it). ``pyproject.toml`` keeps aiohttp below 3.14; this test fails on a
+version that poisons the pool.
+
+It drives :class:`router.fleet.backends.BackendState`'s own session (the one the proxy sends
+every request with) against an aiohttp engine on loopback: large bodies read by a slow
+consumer, then a pause longer than the read timeout, then a small request on the same pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from kvconfig import Backend, RouterSettings
+from router.fleet.backends import BackendState
+
+pytestmark = pytest.mark.timeout(120)
+
+READ_TIMEOUT_S = 0.2
+ROUNDS = 60
+"""About one round in eight poisons the pool on aiohttp 3.14.5, so 60 miss it with odds under 1e-3."""
+
+
+async def _big(request: web.Request) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+    await response.prepare(request)
+    await response.write(b"x" * int(request.query["n"]))
+    await response.write_eof()
+    return response
+
+
+async def _small(request: web.Request) -> web.Response:
+    return web.Response(body=b"ok")
+
+
+async def _rounds() -> list[str]:
+    app = web.Application()
+    app.router.add_get("/big", _big)
+    app.router.add_get("/small", _small)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    backend = BackendState(Backend(name="a", url=f"http://127.0.0.1:{port}"),
+                           RouterSettings(request_timeout_s=READ_TIMEOUT_S))
+    backend.open()
+    rng = random.Random(7)
+    failures: list[str] = []
+    try:
+        for i in range(ROUNDS):
+            n = rng.randint(100_000, 3_000_000)
+            async with backend.http.get("/big", params={"n": str(n)}) as r:
+                await asyncio.sleep(rng.choice([0.0, 0.05, 0.1]))
+                async for _ in r.content.iter_any():
+                    if rng.random() < 0.3:
+                        await asyncio.sleep(0.005)  # a slow client behind the relay
+            await asyncio.sleep(READ_TIMEOUT_S * 1.5)
+            started = time.monotonic()
+            try:
+                async with backend.http.get("/small") as r:
+                    assert await r.read() == b"ok"
+            except aiohttp.ClientError as e:
+                failures.append(f"round {i} ({n} bytes before): {type(e).__name__}: {e} "
+                                f"after {time.monotonic() - started:.3f}s")
+    finally:
+        await backend.http.close()
+        await runner.cleanup()
+    return failures
+
+
+def test_a_pooled_connection_is_not_poisoned_by_the_last_responses_read_timer() -> None:
+    failures = asyncio.run(_rounds())
+    assert not failures, f"aiohttp {aiohttp.__version__} handed out dead pooled connections:\n" + "\n".join(failures)
