@@ -10,7 +10,7 @@ a 504 "did not answer in time" a few milliseconds after it was sent (aio-libs/ai
 version that poisons the pool.
 
 It drives :class:`router.fleet.backends.BackendState`'s own session (the one the proxy sends
-every request with) against an aiohttp engine on loopback: large bodies read by a slow
+every request with) against a :class:`support.LoopbackEngine`: large bodies read by a slow
 consumer, then a pause longer than the read timeout, then a small request on the same pool.
 A poisoned connection fails at once; a request that fails only after the read timeout met a
 stalled host, and is counted apart.
@@ -28,6 +28,7 @@ from aiohttp import web
 
 from kvconfig import Backend, RouterSettings
 from router.fleet.backends import BackendState
+from support import LoopbackEngine
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -36,28 +37,26 @@ ROUNDS = 60
 """About one round in eight poisons the pool on aiohttp 3.14.5, so 60 miss it with odds under 1e-3."""
 
 
-async def _big(request: web.Request) -> web.StreamResponse:
-    response = web.StreamResponse(headers={"content-type": "text/event-stream"})
-    await response.prepare(request)
-    await response.write(b"x" * int(request.query["n"]))
-    await response.write_eof()
-    return response
+class BodyEngine(LoopbackEngine):
+    """``/big?n=N`` streams N bytes and ends; ``/small`` answers ``ok``."""
+
+    async def _big(self, request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b"x" * int(request.query["n"]))
+        await response.write_eof()
+        return response
+
+    async def _small(self, _: web.Request) -> web.Response:
+        return web.Response(body=b"ok")
+
+    def routes(self, app: web.Application) -> None:
+        app.router.add_get("/big", self._big)
+        app.router.add_get("/small", self._small)
 
 
-async def _small(request: web.Request) -> web.Response:
-    return web.Response(body=b"ok")
-
-
-async def _rounds() -> list[str]:
-    app = web.Application()
-    app.router.add_get("/big", _big)
-    app.router.add_get("/small", _small)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    backend = BackendState(Backend(name="a", url=f"http://127.0.0.1:{port}"),
+async def _rounds(url: str) -> list[str]:
+    backend = BackendState(Backend(name="a", url=url),
                            RouterSettings(request_timeout_s=READ_TIMEOUT_S))
     backend.open()
     rng = random.Random(7)
@@ -84,11 +83,11 @@ async def _rounds() -> list[str]:
                 failures.append(f"round {i} ({n} bytes before): {type(e).__name__}: {e} after {elapsed:.3f}s")
     finally:
         await backend.http.close()
-        await runner.cleanup()
     assert slow < ROUNDS // 4, f"{slow} of {ROUNDS} rounds timed out after the read timeout: the host, not the pool, was tested"
     return failures
 
 
 def test_a_pooled_connection_is_not_poisoned_by_the_last_responses_read_timer() -> None:
-    failures = asyncio.run(_rounds())
+    with BodyEngine() as engine:
+        failures = asyncio.run(_rounds(engine.url))
     assert not failures, f"aiohttp {aiohttp.__version__} handed out dead pooled connections:\n" + "\n".join(failures)
