@@ -57,7 +57,7 @@ def test_sigterm_to_a_lab_command_stops_its_children(tmp_path: Path) -> None:
         out, err = bench.communicate(timeout=60)
         assert bench.returncode == 128 + signal.SIGTERM, out[-2000:] + err[-2000:]
         assert "Traceback" not in err, err[-3000:]
-        gone, alive = psutil.wait_procs(children, timeout=15)
+        _, alive = psutil.wait_procs(children, timeout=15)
         assert not alive, [c.cmdline() for c in alive]
     finally:
         for p in [*children, me]:
