@@ -189,12 +189,14 @@ class KvAwareWeights(_Strict):
     Mooncake bench that made kv_aware balance KV memory instead of queued prefill and
     lost to least_loaded on TTFT (engine TTFT p90 1.67 s vs 0.95 s at 0.1), because a
     step's cost grows ~1000x less per held block than per prefilled token."""
-    share_cap: float = Field(default=1.2, ge=0.0)
-    """Request-share cap (0: off). When the cheapest backend took more than this many times its fair share
-    of the model's recent decisions (every worker's and replica's count), a cheap request (a new session on
-    a shared prefix, a short history) goes to a backend under its fair share instead, while the fleet is
-    busy; long contexts stay where they are cached. A session follows its cache, so whichever backend holds
-    a popular system prompt or a few long sessions otherwise gets most of the requests."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _removed(cls, data: object) -> object:
+        if isinstance(data, dict) and "share_cap" in data:
+            raise ValueError("router.weights.share_cap was removed: kv_aware's cost of the prefill queued on each "
+                             "backend spreads load without it; delete it from the file")
+        return data
 
 
 TENANT_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
@@ -255,7 +257,7 @@ class RouterSettings(_Strict):
     """The routing policy of every model that names none (``kvrouter serve --policy`` overrides): one of the
     policies ``models[].policy`` lists."""
     weights: KvAwareWeights = KvAwareWeights()
-    """The weights of kv_aware's cost and of the load guard prefix_approx shares."""
+    """The weights of kv_aware's cost."""
     api_key: ApiKey | None = None
     """Clients of the OpenAI endpoints send ``Authorization: Bearer KEY``. It does not open
     ``/debug/*`` (see ``admin_api_key``)."""
@@ -317,8 +319,7 @@ class RouterSettings(_Strict):
     queue_timeout_s: float = Field(default=30.0, gt=0)
     """Longest a request waits in the router's queue; then it gets 429 with ``Retry-After``."""
     fleet_state: str = "auto"
-    """Where the router's processes share their state (load, recent decisions, request
-    share): the workers of one host always share it in memory; replicas on several hosts
+    """Where the router's processes share their state (load and recent decisions): the workers of one host always share it in memory; replicas on several hosts
     share it through a Redis URL given here. ``auto``: the index's URL when the index is
     Redis; ``local``: this host's workers only."""
 

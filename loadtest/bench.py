@@ -730,7 +730,7 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="another router config key for kvrouter's routers, e.g. queue_busy_tokens=8192 (repeatable)")
     p.add_argument("--router-tuning", action="append", default=[], metavar="KEY=VALUE",
                    help="a lab knob of kvrouter's routers (router/tuning.py; not a config key), e.g. "
-                        "kv_aware.share_window=64 or defer_cold_prompts=false (repeatable)")
+                        "kv_aware.cpu_tier=0.9 or defer_cold_prompts=false (repeatable)")
     add_workload_args(p)
 
 
@@ -786,7 +786,7 @@ def _spec_from_args(args: argparse.Namespace) -> FleetSpec | VllmSpec:
 
 
 def parse_weights(items: list[str]) -> dict[str, Any] | None:
-    """``["decode=0", "share_cap=0.8"]`` -> validated kv_aware weights (only those given)."""
+    """``["decode=0", "prefill=0.8"]`` -> validated kv_aware weights (only those given)."""
     from pydantic import ValidationError
 
     from kvconfig import KvAwareWeights
@@ -797,7 +797,9 @@ def parse_weights(items: list[str]) -> dict[str, Any] | None:
     try:
         return KvAwareWeights(**raw).model_dump(include=set(raw))
     except ValidationError as e:
-        raise WorkloadError(f"--kv-weight: {e.errors()[0]['loc'][0]}: {e.errors()[0]['msg']}") from e
+        err = e.errors()[0]
+        where = f"{err['loc'][0]}: " if err["loc"] else ""
+        raise WorkloadError(f"--kv-weight: {where}{err['msg']}") from e
 
 
 def run(args: argparse.Namespace) -> int:

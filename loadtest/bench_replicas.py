@@ -92,7 +92,7 @@ def parse_settings(items: list[str]) -> dict[str, Any]:
 
 
 def parse_tuning(items: list[str]) -> dict[str, Any]:
-    """``["kv_aware.share_window=64", "defer_cold_prompts=false"]`` -> the lab's knobs
+    """``["kv_aware.cpu_tier=0.9", "defer_cold_prompts=false"]`` -> the lab's knobs
     (router/tuning.py), checked by :class:`router.tuning.Tuning`; a dotted key sets a field of
     a nested group. Values are YAML scalars, as in ``--router-setting``."""
     from pydantic import ValidationError

@@ -41,7 +41,7 @@ them waiting for a backend to drain a heavy tenant's backlog to the threshold, t
 that backlog in the engine: a tenant at 10x the others' rate still tripled their TTFT p90.
 Let through whenever some backend's queue was short, a heavy tenant's request could still go
 where its cache was, behind a backlog, or bring a new 16k-token context to a short queue and
-make it a long one; the other tenants' requests that their own cache or the load guard sent
+make it a long one; the other tenants' requests that their own cache sent
 to that backend waited behind it. Its demand is counted on arrival, so holding it back does
 not make it look light.
 

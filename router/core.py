@@ -134,8 +134,7 @@ class Router:
             stream = FleetStream(url, self.config.index_namespace, self.replica, self.worker, TTL_S)
         if self.ring is None and stream is None:
             return
-        state = FleetState({rt.name: rt.prefixes for rt in self.models if rt.prefixes is not None},
-                           {rt.name: rt.shares for rt in self.models if rt.shares is not None})
+        state = FleetState({rt.name: rt.prefixes for rt in self.models if rt.prefixes is not None})
         self.fleet = FleetLog(state, self.loads.snapshot, host=self.ring, fleet=stream)
         self.loads.share(self.fleet)
         if self.ring is not None:

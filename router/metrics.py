@@ -86,7 +86,7 @@ class RouterMetrics:
             registry=registry,
         )
         self.decisions = Counter(
-            "kvrouter_routing_decisions", "Routing decisions by model, policy and reason (cache_hit, load_guard, no_events, fallback, ...)",
+            "kvrouter_routing_decisions", "Routing decisions by model, policy and reason (cache_hit, load_balance, no_events, fallback, ...)",
             ["model", "policy", "reason"],
             registry=registry,
         )

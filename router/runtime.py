@@ -22,7 +22,6 @@ from router.prompt.hash_cache import HashCache
 from router.prompt.history import HistoryMemo
 from router.policies import make_policy, memory_ttl
 from router.policies.approx_index import ApproxPrefixIndex
-from router.policies.shares import Shares
 from router.tuning import Tuning
 from router.policies.base import Policy, PrefixMemory, ReadsEngineState
 from router.prompt.prompt_fields import TokenizeError
@@ -53,8 +52,6 @@ class ModelRuntime:
     prefixes: ApproxPrefixIndex | None = None
     """Where the router sent prefixes lately, as the policy was built with it (every
     process's decisions are folded into it: :mod:`router.fleet.log`)."""
-    shares: Shares | None = None
-    """The model's recent decisions per backend, likewise."""
     memory: PrefixMemory | None = None
     """The policy itself when it remembers its decisions by prefix (kv_aware, prefix_approx)."""
     history: HistoryMemo | None = None
@@ -92,12 +89,11 @@ class Models:
             hasher = BlockHasher(m.hash_algo, m.block_size, m.hash_seed, m.vllm_version)
             name = m.policy or settings.policy
             prefixes = ApproxPrefixIndex(memory_ttl(name, settings, tuning), tuning.prefix_max_blocks)
-            shares = Shares(tuning.kv_aware.share_window)
             rt = ModelRuntime(
                 config=m,
                 hasher=hasher,
                 hash_cache=HashCache(hasher, tuning.hash_cache_blocks, m.name),
-                policy=make_policy(name, config, m, prefixes, shares, tuning),
+                policy=make_policy(name, config, m, prefixes, tuning=tuning),
                 guard=ParityGuard(m.name, m.tokenizer_mode, tuning.parity_sample_rate),
                 remote=RemoteTokenizer(m.name),
                 backends=[b.name for b in m.backends],
@@ -105,7 +101,6 @@ class Models:
                 max_model_len=m.max_model_len,
                 has_events=any(b.kv_events for b in m.backends),
                 prefixes=prefixes,
-                shares=shares,
             )
             if tuning.history_memo and tuning.defer_cold_prompts:
                 rt.history = HistoryMemo(m.name)

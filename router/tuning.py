@@ -12,7 +12,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class KvAwareTuning(BaseModel):
-    """kv_aware's guard, share-cap and sampling constants (router/policies/kv_aware.py)."""
+    """kv_aware's cost and sampling constants (router/policies/kv_aware.py), and the load guard of
+    prefix_approx (router/policies/prefix_approx.py)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -22,16 +23,14 @@ class KvAwareTuning(BaseModel):
     temperature: float = Field(default=0.0, ge=0.0)
     """0 picks the cheapest backend; above 0, a softmax over normalised costs samples among near-equal ones."""
     imbalance_ratio: float = Field(default=1.25, ge=1.0)
-    """Load guard: the chosen backend counts as overloaded above this many times the least loaded one's
-    requests in flight, plus ``imbalance_slack``."""
+    """prefix_approx's load guard: the backend sent the longest prefix counts as overloaded above this many
+    times the least loaded one's requests in flight, plus ``imbalance_slack``."""
     imbalance_slack: int = Field(default=4, ge=0)
-    guard_min_saving: float = Field(default=0.5, ge=0.0, le=1.0)
-    """Load guard: an overloaded choice stands only if its cache saves at least this fraction of the prompt."""
     queue_weight: float = Field(default=1.0, ge=0.0)
     """What a block of prefill already queued on a backend costs, relative to one of this prompt's own
     uncached blocks. Below 1 a backend that holds the prompt's prefix keeps it at a longer queue: a
     session moved for its queue also loses its cache for the turns that follow. 1 (the default) until
-    held-out runs say otherwise: on Mooncake tuning rows 0.5 came out level with a looser load guard."""
+    held-out runs say otherwise: on Mooncake tuning rows 0.5 came out level."""
     cpu_tier: float = Field(default=0.5, ge=0.0, le=1.0)
     """What a block found in an engine's CPU tier saves, relative to one on the GPU."""
     storage_tier: float = Field(default=0.25, ge=0.0, le=1.0)
@@ -39,11 +38,6 @@ class KvAwareTuning(BaseModel):
     speculative_ttl_s: float = Field(default=2.0, ge=0.0)
     """How long a prefix just sent to a backend counts as cached there, in seconds, before the engine's events
     confirm it (0: off)."""
-    share_window: int = Field(default=128, ge=2)
-    """Decisions the request share is measured over (exponential decay): ~1/2 of a 300-request run."""
-    share_cap_tokens: int = Field(default=4096, ge=0)
-    """The most prefill tokens, in kv_aware's cost, a move under the share cap may add. Set on the mixed
-    workload's tuning seeds: at 2,048 a burst of agent sessions over a 2k-token shared prompt still piled up."""
 
 
 class Tuning(BaseModel):

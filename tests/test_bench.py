@@ -99,8 +99,8 @@ def test_kv_weights_from_the_command_line_are_validated() -> None:
     from loadtest.workloads import WorkloadError
 
     assert parse_weights([]) is None
-    assert parse_weights(["decode=0", " share_cap = 0.8"]) == {"decode": 0.0, "share_cap": 0.8}
-    for bad in (["nope=1"], ["decode=x"], ["decode"], ["share_cap=-1"]):
+    assert parse_weights(["decode=0", " prefill = 0.8"]) == {"decode": 0.0, "prefill": 0.8}
+    for bad in (["nope=1"], ["decode=x"], ["decode"], ["prefill=-1"], ["share_cap=1.2"]):
         with pytest.raises(WorkloadError, match="--kv-weight"):
             parse_weights(bad)
 

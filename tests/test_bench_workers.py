@@ -41,13 +41,13 @@ def _all_completed(results: dict) -> dict:
 
 def test_two_workers_are_recorded_and_complete_every_request(tmp_path: Path) -> None:
     results = _bench(tmp_path, "--router-workers", "2", "--router-setting", "expose_decision_headers=true",
-                     "--router-tuning", "kv_aware.share_window=64")
+                     "--router-tuning", "kv_aware.speculative_ttl_s=1.5")
     meta = results["meta"]
     assert (meta["router_workers"], meta["router_replicas"]) == (2, 1)
     assert meta["router_settings"] == {"expose_decision_headers": True}
-    assert meta["router_tuning"] == {"kv_aware": {"share_window": 64}}
+    assert meta["router_tuning"] == {"kv_aware": {"speculative_ttl_s": 1.5}}
     log = (tmp_path / "logs" / "kv_aware" / "router-kv_aware.log").read_text()
-    assert "lab tuning in effect (--tuning, not the config): {'kv_aware': {'share_window': 64}}" in log, log[-2000:]
+    assert "lab tuning in effect (--tuning, not the config): {'kv_aware': {'speculative_ttl_s': 1.5}}" in log, log[-2000:]
     _all_completed(results)
     cfg = (tmp_path / "logs" / "kv_aware" / "router-kv_aware.yaml").read_text()
     assert "workers: 2" in cfg and "expose_decision_headers: true" in cfg
@@ -105,9 +105,9 @@ def test_tuning_flags_nest_and_are_checked() -> None:
     from loadtest.workloads import WorkloadError
 
     assert parse_tuning([]) == {}
-    assert parse_tuning(["kv_aware.share_window=64", "defer_cold_prompts=false"]) == {
-        "kv_aware": {"share_window": 64}, "defer_cold_prompts": False}
-    for bad, msg in ((["nope=1"], "nope"), (["kv_aware.share_window=1"], "kv_aware.share_window"),
+    assert parse_tuning(["kv_aware.speculative_ttl_s=1.5", "defer_cold_prompts=false"]) == {
+        "kv_aware": {"speculative_ttl_s": 1.5}, "defer_cold_prompts": False}
+    for bad, msg in ((["nope=1"], "nope"), (["kv_aware.cpu_tier=2"], "kv_aware.cpu_tier"),
                      (["kv_aware.nope=1"], "kv_aware.nope"), (["x"], "KEY=VALUE")):
         with pytest.raises(WorkloadError, match=msg):
             parse_tuning(bad)

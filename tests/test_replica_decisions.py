@@ -101,10 +101,8 @@ async def round_robin_burst(urls: list[str], n: int, seed: int, *, shared: bool)
 def replica_config(sim: Any, redis_url: str, *, shared: bool, events: bool = True) -> dict[str, Any]:
     backends = [sim_backend(sim, i) if events else {"name": f"sim{i}", "url": sim.http(i)} for i in range(sim.instances)]
     return {"models": [model(*backends)], "index": "memory", "index_namespace": f"rd-{random.randrange(1 << 30)}",
-            # The share cap off: these bursts check who follows whom; the cap spreads a burst on
-            # purpose once the leader's backend passes its share (test_policies.py).
             "router": {"fleet_state": redis_url if shared else "local", "health_interval_s": 0.5,
-                       "expose_decision_headers": True, "weights": {"share_cap": 0}}}
+                       "expose_decision_headers": True}}
 
 
 def bursts(sim: Any, redis_url: str, tmp: Path, *, shared: bool, n: int) -> list[list[tuple[str, str]]]:
@@ -253,20 +251,17 @@ def test_requests_reaching_3_replicas_at_once_are_spread_as_one_process_spreads_
 
 
 class _Replica:
-    """One replica's fleet state in this process: its load, its share of kv_aware's decisions,
-    and its side of the stream (a real Redis)."""
+    """One replica's fleet state in this process: its load and its side of the stream (a real Redis)."""
 
     def __init__(self, redis_url: str, namespace: str, name: str, backends: list[str]) -> None:
         from router.fleet.log import TTL_S, FleetState
         from router.fleet.process import FleetLog
         from router.fleet.stream import FleetStream
         from router.fleet.load import LoadTracker
-        from router.policies.shares import Shares
 
         self.loads = LoadTracker(backends)
-        self.shares = Shares(64)
         self.stream = FleetStream(redis_url, namespace, name, 0, TTL_S)
-        self.log = FleetLog(FleetState({}, {"m": self.shares}), self.loads.snapshot, fleet=self.stream)
+        self.log = FleetLog(FleetState({}), self.loads.snapshot, fleet=self.stream)
         self.loads.share(self.log)
         self.task = asyncio.ensure_future(self.log.run_forever(0.05))
 
@@ -319,45 +314,6 @@ def test_a_committed_decision_counts_once_and_a_silent_replica_stops_counting(re
             await b.stop()
 
     asyncio.run(main())
-
-
-def test_a_replica_weighs_the_fleets_request_share_as_one_process_does(redis_url: str) -> None:
-    """kv_aware's share cap weighs the last ~``share_window`` decisions of the fleet. A replica
-    that decides a third of them folds the others' from the stream: each request another
-    replica sent counts once (its first token and its end count nothing), so the replica sees
-    the shares one process deciding every request sees."""
-    from router.policies.shares import Shares
-
-    backends = ["a", "b", "c"]
-    rng = random.Random(5)
-    sent = [rng.choice(["a", "a", "a", "b", "c"]) for _ in range(90)]  # "a" takes ~60%
-
-    async def main() -> tuple[Shares, Shares]:
-        one = Shares(64)
-        namespace = f"share-{random.randrange(1 << 30)}"
-        mine, other = (_Replica(redis_url, namespace, name, backends) for name in ("me", "other"))
-        try:
-            await asyncio.sleep(0.3)
-            for i, backend in enumerate(sent):
-                one.count(backend)
-                if i % 3 == 0:
-                    mine.loads.acquire(backend, [i], 16, "m").release()
-                    mine.shares.count(backend)
-                else:
-                    ticket = other.loads.acquire(backend, [i], 16, "m")
-                    ticket.first_token()
-                    ticket.release()
-                    seen = mine.shares.total
-                    await _until(lambda: mine.shares.total > seen, "this replica to fold the other's decision")
-        finally:
-            await mine.stop()
-            await other.stop()
-        return one, mine.shares
-
-    one, replica = asyncio.run(main())
-    for b in backends:
-        assert replica.of(b) / replica.total == pytest.approx(one.of(b) / one.total)
-    assert one.of("a") > 1.2 * one.total / 3  # "a" is over the cap: the test can fail
 
 
 def test_a_malformed_record_drops_itself_not_its_batch() -> None:

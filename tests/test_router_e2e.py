@@ -85,9 +85,7 @@ def router_url(fleet: dict[str, Any]) -> Iterator[str]:
     port = free_port()
     path = Path(fleet["dir"]) / "router.yaml"
     # One key for both: these tests read /debug/* with the client's key (the keys' separation: test_hardening.py).
-    # The share cap off: these tests check that a prompt follows its cache, and the module's
-    # own traffic leaves the backends' shares of it uneven (the cap: test_policies.py).
-    path.write_text(yaml.safe_dump(fleet_config(fleet, api_key=API_KEY, admin_api_key=API_KEY, weights={"share_cap": 0})))
+    path.write_text(yaml.safe_dump(fleet_config(fleet, api_key=API_KEY, admin_api_key=API_KEY)))
     with Proc(KVROUTER + ["serve", "--config", str(path), "--port", str(port)], Path(fleet["dir"]) / "router.log") as proc:
         wait_http(f"http://127.0.0.1:{port}/health", timeout=120, proc=proc.popen)
         yield f"http://127.0.0.1:{port}"
@@ -412,9 +410,9 @@ def test_prefix_approx_keeps_a_conversation_on_one_backend(fleet: dict[str, Any]
 
 
 def test_burst_sharing_a_new_prefix_follows_the_first_request(fleet: dict[str, Any]) -> None:
-    # Speculative insertion alone: with the share cap on, the leader's backend passes its share
-    # within the burst and the cap replicates the prefix on purpose (test_policies.py).
-    with InProcessRouter(fleet_config(fleet, policy="kv_aware", weights={"share_cap": 0})) as r:
+    # Speculative insertion: every follower saves ~4k tokens on the leader's backend, far more
+    # than the few uncached tokens queued there, so none is sent elsewhere.
+    with InProcessRouter(fleet_config(fleet, policy="kv_aware")) as r:
         system = unique_text(800)
         probe = httpx.post(r.url + "/debug/route", json={"model": MODEL, "messages": [{"role": "system", "content": system}]}).json()
         assert 3900 <= probe["num_tokens"] <= 4800, probe["num_tokens"]  # a 4k-token prefix
@@ -441,9 +439,8 @@ def test_burst_sharing_a_new_prefix_follows_the_first_request(fleet: dict[str, A
         leader, results = asyncio.run(burst())
         on_leader = sum(1 for b, _ in results if b == leader)
         reasons = Counter(reason for _, reason in results)
-        guarded = reasons["load_guard"]
-        assert on_leader >= 0.9 * (len(results) - guarded), (leader, Counter(b for b, _ in results), reasons)
-        assert all(reason in ("cache_hit", "speculative_hit", "load_guard", "load_balance") for _, reason in results), reasons
+        assert on_leader >= 0.9 * len(results), (leader, Counter(b for b, _ in results), reasons)
+        assert all(reason in ("cache_hit", "speculative_hit", "load_balance") for _, reason in results), reasons
         explained = httpx.post(r.url + "/debug/route", json=body(1000)).json()
         assert explained["backend"] == leader and explained["reason"] in ("cache_hit", "speculative_hit")
         lead = next(c for c in explained["candidates"] if c["backend"] == leader)

@@ -223,6 +223,8 @@ def test_literal_keys_in_the_file_and_moved_keys_are_refused_by_name() -> None:
         parse_config({**base, "router": {"tenants": {"acme": {"keys": "sk-literal"}}}})
     with pytest.raises(ConfigError, match="breaker_failures was removed"):
         parse_config({**base, "router": {"breaker_failures": 3}})
+    with pytest.raises(ConfigError, match="router.weights.share_cap was removed"):
+        parse_config({**base, "router": {"weights": {"share_cap": 1.2}}})
     assert parse_config({**base, "index": "redis://h:6379/0", "index_namespace": "old"}).index_namespace == "old"
 
 

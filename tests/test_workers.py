@@ -144,9 +144,8 @@ def test_a_burst_sharing_a_new_prefix_lands_as_it_does_on_one_worker(sim_fleet: 
     shared load but not memory the second worker sees the first backend busy and picks the
     other one, splitting the burst every time."""
     sim = sim_fleet("--speedup", "1", instances=2)
-    # The share cap off: it spreads a burst on purpose once the leader's backend passes its share.
     config = {"models": [model(sim_backend(sim, 0), sim_backend(sim, 1))],
-              "router": {"health_interval_s": 0.5, "weights": {"share_cap": 0}}}
+              "router": {"health_interval_s": 0.5}}
     spreads: dict[int, list[list[int]]] = {}
     for workers in (1, 2):
         router = Router(config, tmp_path, f"router{workers}", workers=workers)
@@ -503,8 +502,8 @@ def test_the_ring_folds_records_across_its_end_and_a_reader_a_ring_behind_skips(
     RING_BYTES = 1 << 16
     _, w0, w1 = _ring_pair(tmp_path, RING_BYTES)
     memories = [ApproxPrefixIndex(60.0, 1_000_000) for _ in range(2)]
-    writer = FleetLog(FleetState({"m": memories[0]}, {}), lambda: {}, host=w0)
-    reader = FleetState({"m": memories[1]}, {})
+    writer = FleetLog(FleetState({"m": memories[0]}), lambda: {}, host=w0)
+    reader = FleetState({"m": memories[1]})
     rng = random.Random(5)
     chains = [[rng.getrandbits(64) for _ in range(rng.randrange(1, 400))] for _ in range(1500)]
     writer.append(Snapshot({"a": (0, 0, 0, 0, 0)}))
@@ -529,36 +528,28 @@ def test_the_ring_folds_records_across_its_end_and_a_reader_a_ring_behind_skips(
     assert memories[1].match(fresh)["b"] == 40
 
 
-def test_every_worker_counts_every_workers_requests_in_the_request_share(tmp_path: Path) -> None:
-    """kv_aware's share cap weighs the last ~``share_window`` decisions of the whole router: a
-    worker folds the decisions the other workers append to their rings, so its shares are
-    those one process deciding every request would see; and a worker that died (its ring's
+def test_every_worker_counts_every_workers_requests_and_a_dead_workers_leave(tmp_path: Path) -> None:
+    """A worker folds the requests the other workers append to their rings, so it counts the
+    load one process deciding every request would; and a worker that died (its ring's
     generation bumped) leaves no load behind."""
     from router.fleet.log import FleetState
     from router.fleet.process import FleetLog
     from router.fleet.load import LoadTracker
-    from router.policies.shares import Shares
 
     made, *rings = _ring_pair(tmp_path)
     backends = ["a", "b", "c"]
-    one, shares = Shares(64), [Shares(64), Shares(64)]
     trackers = [LoadTracker(backends) for _ in range(2)]
     for w, t in enumerate(trackers):
-        t.share(FleetLog(FleetState({}, {"m": shares[w]}), t.snapshot, host=rings[w]))
+        t.share(FleetLog(FleetState({}), t.snapshot, host=rings[w]))
     rng = random.Random(3)
     held = []
     for i in range(120):
         backend = rng.choice(["a", "a", "a", "b", "c"])
         worker = i % 2
         ticket = trackers[worker].acquire(backend, [i], 16, "m")
-        shares[worker].count(backend)
-        one.count(backend)
         (held.append(ticket) if worker == 0 and i % 10 == 0 else ticket.release())
         trackers[1 - worker].fleet.catch_up()  # as the next decision there does
-    for b in backends:
-        for s in shares:
-            assert s.of(b) / s.total == pytest.approx(one.of(b) / one.total)
-    assert one.of("a") > 1.2 * one.total / 3  # "a" is over the cap: the test can fail
+    assert len(held) == 12
     assert sum(trackers[1].get(b).in_flight for b in backends) == len(held)
     made.new_generation(0)  # the supervisor: worker 0 died with its requests
     assert sum(trackers[1].get(b).in_flight for b in backends) == 0
@@ -577,7 +568,7 @@ def test_a_prefix_the_requests_of_two_workers_hold_counts_once_as_the_engine_hol
     made, *rings = _ring_pair(tmp_path)
     trackers = [LoadTracker(["a", "b"]) for _ in range(2)]
     for w, t in enumerate(trackers):
-        t.share(FleetLog(FleetState({}, {}), t.snapshot, host=rings[w]))
+        t.share(FleetLog(FleetState({}), t.snapshot, host=rings[w]))
     prefix = list(range(100, 228))  # 128 blocks, a 2k-token document
     one = LoadTracker(["a", "b"])  # one process sending the same requests
     held, alone = [], []

@@ -22,7 +22,7 @@ def _build(name: str, p: Parts) -> Policy:
     channel = SideChannel({b.name: b.url for b in p.model.backends})
     if name == "oracle":
         return Oracle(channel)
-    return KvAwareExact(p.config.router.weights, p.memory, p.shares, channel, tuning=p.tuning.kv_aware,
+    return KvAwareExact(p.config.router.weights, p.memory, channel, tuning=p.tuning.kv_aware,
                         load=name != "kv_aware+exact_cache", cache=name != "kv_aware+exact_load")
 
 

@@ -40,7 +40,6 @@ from router.policies.approx_index import ApproxPrefixIndex
 from router.policies.base import UNROUTABLE, Candidate, Decision, RequestCtx, by_score, healthy, mark_unroutable
 from loadtest.policies.engine_state import EngineState, SideChannel
 from router.policies.kv_aware import KvAware
-from router.policies.shares import Shares
 from router.tuning import KvAwareTuning
 
 NO_PREDICTION = UNROUTABLE / 2
@@ -104,11 +103,11 @@ class Oracle(_ReadsEngines):
 class KvAwareExact(_ReadsEngines, KvAware):
     """kv_aware's cost with the engine's exact load, its exact cache view, or both."""
 
-    def __init__(self, weights: KvAwareWeights, memory: ApproxPrefixIndex, shares: Shares, channel: SideChannel, *,
+    def __init__(self, weights: KvAwareWeights, memory: ApproxPrefixIndex, channel: SideChannel, *,
                  load: bool, cache: bool, tuning: KvAwareTuning | None = None, rng: random.Random | None = None) -> None:
         if not (load or cache):
             raise ValueError("KvAwareExact needs exact load, exact cache or both")
-        KvAware.__init__(self, weights, memory, shares, tuning, rng)
+        KvAware.__init__(self, weights, memory, tuning, rng)
         _ReadsEngines.__init__(self, channel)
         self.exact_load = load
         self.exact_cache = cache

@@ -1,7 +1,7 @@
 """The fleet-state log: what every router process did, in one order, folded alike by all.
 
 Workers and replicas decide alone, yet each must weigh every process's requests, recent
-decisions, request share and health, as Dynamo's router replicas share one active-sequence
+decisions and health, as Dynamo's router replicas share one active-sequence
 stream. Each process appends what it did (a record type below) and every :data:`SNAPSHOT_S`
 a :class:`Snapshot` of its load, its heartbeat. Records carry load *changes* (a decision its
 blocks too, under a ticket that its end names) and a snapshot sets a sender's counters outright:
@@ -18,7 +18,6 @@ import msgspec
 
 if TYPE_CHECKING:
     from router.policies.approx_index import ApproxPrefixIndex
-    from router.policies.shares import Shares
 
 
 Count = Annotated[int, msgspec.Meta(ge=-(1 << 40), le=1 << 40)]  # bounded: a forged record cannot swamp a sum
@@ -123,12 +122,11 @@ class Sender:
 
 class FleetState:
     """The other processes' records, folded: :attr:`remote` load per backend, and each
-    model's prefix memory and request share (the same objects the policies were built with)."""
+    model's prefix memory (the same object the policies were built with)."""
 
-    def __init__(self, memories: dict[str, ApproxPrefixIndex], shares: dict[str, Shares], ttl_s: float = TTL_S,
+    def __init__(self, memories: dict[str, ApproxPrefixIndex], ttl_s: float = TTL_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.memories = memories
-        self.shares = shares
         self.ttl_s = ttl_s
         self._clock = clock
         self.senders: dict[str, Sender] = {}  # the live ones: when each was last heard (``clock``), its load
@@ -145,8 +143,6 @@ class FleetState:
         s.heard = self._clock()
         for r in records:
             if isinstance(r, Decided):
-                if type(r) is Decided and (shares := self.shares.get(r.model)) is not None:
-                    shares.count(r.backend)
                 if (memory := self.memories.get(r.model)) is not None and r.keys and age_s < memory.ttl_s:
                     memory.insert(r.keys, r.backend)
                 self._add(s, r.backend, r.load)

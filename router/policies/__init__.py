@@ -18,20 +18,17 @@ import kvconfig
 from kvconfig import Config, Model, RouterSettings
 from router.policies.approx_index import ApproxPrefixIndex
 from router.policies.base import Policy
-from router.policies.shares import Shares
 from router.tuning import Tuning
 
 
 @dataclass(frozen=True, slots=True)
 class Parts:
-    """What a policy is built from: the config, its model, and the model's prefix memory and
-    request share (collaborators the router also feeds every process's decisions into:
-    :mod:`router.fleet.log`)."""
+    """What a policy is built from: the config, its model, and the model's prefix memory (which
+    the router also feeds every process's decisions into: :mod:`router.fleet.log`)."""
 
     config: Config
     model: Model | None
     memory: ApproxPrefixIndex
-    shares: Shares
     tuning: Tuning
 
 
@@ -67,9 +64,9 @@ def memory_ttl(name: str, settings: RouterSettings, tuning: Tuning) -> float:
 
 
 def make_policy(name: str, config: Config, model: Model | None = None, memory: ApproxPrefixIndex | None = None,
-                shares: Shares | None = None, tuning: Tuning | None = None) -> Policy:
-    """A fresh policy instance for ``model``, with the model's prefix memory and request
-    share (fresh ones when not given)."""
+                tuning: Tuning | None = None) -> Policy:
+    """A fresh policy instance for ``model``, with the model's prefix memory (a fresh one when
+    not given)."""
     entry = _REGISTRY.get(name)
     if entry is None:
         raise ValueError(f"unknown policy {name!r}; one of {', '.join(sorted(_REGISTRY))}")
@@ -77,7 +74,7 @@ def make_policy(name: str, config: Config, model: Model | None = None, memory: A
     tuning = tuning or Tuning()
     if memory is None:
         memory = ApproxPrefixIndex(entry.memory_ttl(settings, tuning), tuning.prefix_max_blocks)
-    return entry.build(Parts(config, model, memory, shares or Shares(tuning.kv_aware.share_window), tuning))
+    return entry.build(Parts(config, model, memory, tuning))
 
 
 def _round_robin(_: Parts) -> Policy:
@@ -119,7 +116,7 @@ def _prefix_approx(p: Parts) -> Policy:
 def _kv_aware(p: Parts) -> Policy:
     from router.policies.kv_aware import KvAware
 
-    return KvAware(p.config.router.weights, p.memory, p.shares, p.tuning.kv_aware)
+    return KvAware(p.config.router.weights, p.memory, p.tuning.kv_aware)
 
 
 def speculative_ttl(_: RouterSettings, tuning: Tuning) -> float:

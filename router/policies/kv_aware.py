@@ -42,31 +42,16 @@ decision, pick the same backend instead of a random one each (requests of unrela
 prefixes still spread). With ``temperature > 0`` a softmax over costs normalised to [0, 1]
 samples instead (spreads load across near-equal backends).
 
-Imbalance guard: a prefix shared by *every* request (a Mooncake trace's first block, a
-fleet-wide system prompt) gives whichever backend saw it first a small but constant
-edge. When the chosen backend has more than ``imbalance_ratio × in_flight(least
-loaded) + imbalance_slack`` requests and its cache saves less than ``guard_min_saving``
-of the prompt compared to the least-loaded backend, the request goes to the least-loaded
-one instead (reason ``load_guard``). Long shared prefixes (a 4k-token document) save
-most of the prompt and are never overridden.
-
-Share cap (``share_cap``, default 1.2; 0 turns it off): sessions follow their cache, so the backend that
-first cached a popular system prompt or document, or a few long sessions, ends up with far
-more requests than the others while no single decision looks wrong. When the cheapest
-backend took more than ``share_cap`` times its fair share of the model's recent decisions,
-the request goes to the cheapest backend under its fair share if that costs at most
-``share_cap_tokens`` more (reason ``share_cap``): new sessions on a shared prefix and short
-histories move (and their later turns follow), long contexts stay where they are cached.
-Only while the fleet is busy (at least one request in flight per backend): one quiet user's
-chat makes its backend's share 100%, and moving it would only lose its cache. (Requiring
-the target to be less busy than the chosen backend instead kept a burst of agent sessions
-piled up on tuning seed 2: max/mean 1.48.)
+No load guard or request-share cap: the cost above already charges a backend for the prefill
+queued on it, and both heuristics, which moved requests on request counts rather than queued
+tokens, measured level or worse than the cost alone on held-out capacity at SLO and beside a
+noisy tenant (docs/benchmarks.md, "kv_aware's cost").
 
 Reasons: ``cache_hit`` (chosen backend holds the longest indexed prefix),
 ``speculative_hit`` (only the router's recent decisions put it there), ``load_balance``
-(another backend held more, load outweighed it), ``load_guard``, ``no_events`` (no
-backend of the model has a connected event stream and nothing was sent recently),
-``no_hit`` (events flow, nobody holds the prefix), ``share_cap``.
+(another backend held more, load outweighed it), ``no_events`` (no backend of the model
+has a connected event stream and nothing was sent recently), ``no_hit`` (events flow,
+nobody holds the prefix).
 """
 
 from __future__ import annotations
@@ -78,7 +63,6 @@ import zlib
 from kvconfig import KvAwareWeights
 from router.policies.approx_index import ApproxPrefixIndex
 from router.policies.base import Candidate, Decision, RequestCtx, healthy, mark_unroutable
-from router.policies.shares import Shares
 from router.tuning import KvAwareTuning
 
 _M64 = (1 << 64) - 1
@@ -87,15 +71,13 @@ _M64 = (1 << 64) - 1
 class KvAware:
     name = "kv_aware"
 
-    def __init__(self, weights: KvAwareWeights, memory: ApproxPrefixIndex, shares: Shares,
+    def __init__(self, weights: KvAwareWeights, memory: ApproxPrefixIndex,
                  tuning: KvAwareTuning | None = None, rng: random.Random | None = None) -> None:
-        """``memory``: where the router sent prefixes lately (speculative insertion), and
-        ``shares``: the model's recent decisions per backend; both also hold the other
-        router processes' decisions (:mod:`router.fleet.log`)."""
+        """``memory``: where the router sent prefixes lately (speculative insertion); it also
+        holds the other router processes' decisions (:mod:`router.fleet.log`)."""
         self.w = weights
         self.t = tuning or KvAwareTuning()
         self.speculative = memory
-        self.shares = shares
         self._rng = rng or random.Random()
         self._salts: dict[str, int] = {}
 
@@ -135,34 +117,14 @@ class KvAware:
             tied = [c for c in ranked if c.score == ranked[0].score]
             tied.sort(key=lambda c: self._tie(c.backend, first))
             ranked[:len(tied)] = tied
-        best = self._sample(ranked) if self.t.temperature > 0 and len(ranked) > 1 else ranked[0]
-
-        guard = self._guard(best, pool, n, cap, bs)
-        moved = guard or (self._capped(best, pool, bs) if w.share_cap > 0 else None)
-        chosen = moved or best
+        chosen = self._sample(ranked) if self.t.temperature > 0 and len(ranked) > 1 else ranked[0]
         order = [chosen.backend] + [c.backend for c in ranked if c is not chosen]
-        reason = ("load_guard" if guard else "share_cap") if moved else self._reason(chosen, pool, ctx)
+        reason = self._reason(chosen, pool, ctx)
         detail: dict[str, float | int | str] = {"cost": chosen.score, "matched_blocks": chosen.matched_blocks, "speculative_blocks": chosen.speculative_blocks}
         return Decision(chosen.backend, reason, order, detail)
 
     def commit(self, ctx: RequestCtx, decision: Decision) -> None:
         self.remember(ctx.keys, decision.backend)
-        if self.w.share_cap > 0:
-            self.shares.count(decision.backend)
-
-    def _capped(self, best: Candidate, pool: list[Candidate], bs: int) -> Candidate | None:
-        shares = self.shares
-        fair = shares.total / len(pool)
-        if len(pool) < 2 or shares.of(best.backend) <= self.w.share_cap * fair:
-            return None
-        if sum(c.load.effective_in_flight() for c in pool) < len(pool):
-            return None
-        under = [c for c in pool if shares.of(c.backend) < fair]
-        if not under:
-            return None
-        alt = min(under, key=lambda c: c.score)
-        extra_tokens = (alt.score - best.score) * bs / (self.w.prefill or 1.0)
-        return alt if extra_tokens <= self.t.share_cap_tokens else None
 
     def _speculative_hits(self, ctx: RequestCtx) -> dict[str, int]:
         """``spec(b)``: leading blocks of the request the router sent to each backend lately."""
@@ -184,21 +146,6 @@ class KvAware:
         span = (hi - lo) or 1.0
         weights = [math.exp(-((c.score - lo) / span) / self.t.temperature) for c in ranked]
         return self._rng.choices(ranked, weights=weights)[0]
-
-    def _guard(self, best: Candidate, pool: list[Candidate], n: int, cap: int, bs: int) -> Candidate | None:
-        least = min(pool, key=lambda c: (c.load.effective_in_flight(), self._rng.random()))
-        if least is best:
-            return None
-        if best.load.effective_in_flight() <= self.t.imbalance_ratio * least.load.effective_in_flight() + self.t.imbalance_slack:
-            return None
-
-        def hit_tokens(c: Candidate) -> float:
-            return min(max(c.weighted_blocks, float(c.speculative_blocks)), float(cap)) * bs
-
-        saving = hit_tokens(best) - hit_tokens(least)
-        if n > 0 and saving >= self.t.guard_min_saving * n:
-            return None
-        return least
 
     @staticmethod
     def _reason(chosen: Candidate, pool: list[Candidate], ctx: RequestCtx) -> str:

@@ -29,7 +29,7 @@ class PrefixApprox:
     def __init__(self, memory: ApproxPrefixIndex, tuning: KvAwareTuning | None = None,
                  rng: random.Random | None = None) -> None:
         """``memory``: where the router sent each prefix (every router process's decisions);
-        ``tuning``: kv_aware's load guard, which this policy shares."""
+        ``tuning``: its load guard's constants (``imbalance_ratio``, ``imbalance_slack``)."""
         self.tree = memory
         self.t = tuning or KvAwareTuning()
         self._rng = rng or random.Random()

@@ -1,14 +1,9 @@
-"""Each key's share of recent counts: a backend's of a model's routing decisions (kv_aware's
-share cap), a tenant's of a model's arrivals (the admission queue's heavy tenants).
+"""Each tenant's share of a model's recent arrivals: how the admission queue tells a heavy
+tenant (:mod:`router.admission`).
 
-Every decision is weighed ``_inc`` when counted, and ``_inc`` grows by
-``1 / (1 - 1/window)`` a decision, so the shares decay exponentially over about
-``window`` decisions without touching every backend on every decision.
-
-Every process of a router counts every process's decisions: its own as it makes them, the
-others' as the fleet-state log folds them (:class:`router.fleet.log.FleetState`). Counting
-only its own third of the decisions, a replica saw shares over the cap that one process
-did not, and moved requests off their cache (synthetic: cached ratio 0.60 against 0.67).
+Every arrival is weighed ``_inc`` when counted, and ``_inc`` grows by
+``1 / (1 - 1/window)`` an arrival, so the shares decay exponentially over about
+``window`` arrivals without touching every tenant on every arrival.
 """
 
 from __future__ import annotations
@@ -23,8 +18,7 @@ class Shares:
         self._inc = 1.0
 
     def count(self, key: str) -> None:
-        """One count for ``key``: a request sent to a backend, by this process or another of the
-        router; a request arriving from a tenant."""
+        """One count for ``key``: a request arriving from that tenant."""
         self._inc /= 1.0 - 1.0 / self.window
         if self._inc > 1e200:  # rescale long before floats overflow
             self.recent = {b: v / self._inc for b, v in self.recent.items()}
