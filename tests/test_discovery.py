@@ -114,11 +114,13 @@ def ready(router: RouterProc, names: set[str]) -> bool:
 
 
 async def traffic(url: str, stop: asyncio.Event, seed: int) -> list[tuple[int, str, bool]]:
-    """Streamed completions, 4 at a time, until ``stop``: (status, backend, whether the stream ended in [DONE])."""
+    """Streamed completions, 4 at a time, until ``stop``: (status, backend, whether the stream ended in [DONE]).
+    Each prompt is new (nothing cached anywhere), so kv_aware weighs only the queued prefill and a
+    joining engine, idle, is chosen; cached prompts would rightly stay where they are cached."""
     out: list[tuple[int, str, bool]] = []
 
     async def one(c: httpx.AsyncClient, i: int) -> None:
-        body = {"model": MODEL, "prompt": f"session {seed}-{i % 7} " + "some shared words " * 40, "max_tokens": 24,
+        body = {"model": MODEL, "prompt": f"request {seed}-{i} " + "some shared words " * 40, "max_tokens": 24,
                 "stream": True}
         async with c.stream("POST", url + "/v1/completions", json=body) as r:
             raw = await r.aread()
