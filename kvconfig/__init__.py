@@ -179,6 +179,12 @@ class Model(_Strict):
         return self
 
 
+MOVED_WEIGHTS = {
+    "share_cap": "kv_aware's cost of the prefill queued on each backend spreads load without it",
+}
+"""Keys ``router.weights`` no longer takes, refused like :data:`MOVED_KEYS`."""
+
+
 class KvAwareWeights(_Strict):
     """Weights of the kv_aware cost (see router/policies/kv_aware.py for the formula)."""
 
@@ -192,11 +198,8 @@ class KvAwareWeights(_Strict):
 
     @model_validator(mode="before")
     @classmethod
-    def _removed(cls, data: object) -> object:
-        if isinstance(data, dict) and "share_cap" in data:
-            raise ValueError("router.weights.share_cap was removed: kv_aware's cost of the prefill queued on each "
-                             "backend spreads load without it; delete it from the file")
-        return data
+    def _moved_keys(cls, data: object) -> object:
+        return refuse_moved(data, MOVED_WEIGHTS, "router.weights")
 
 
 TENANT_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
@@ -244,6 +247,15 @@ MOVED_KEYS = {
 }
 """Keys ``router`` no longer takes, and where they went: a file that still sets one is refused
 with that sentence rather than pydantic's bare "extra inputs are not permitted"."""
+
+
+def refuse_moved(data: object, moved: dict[str, str], where: str) -> object:
+    """A ``before`` validator's body: refuse a section that sets a key of ``moved``, naming each."""
+    if isinstance(data, dict):
+        gone = [k for k in moved if k in data]
+        if gone:
+            raise ValueError("; ".join(f"{where}.{k} was removed: {moved[k]}; delete it from the file" for k in gone))
+    return data
 
 
 class RouterSettings(_Strict):
@@ -319,19 +331,15 @@ class RouterSettings(_Strict):
     queue_timeout_s: float = Field(default=30.0, gt=0)
     """Longest a request waits in the router's queue; then it gets 429 with ``Retry-After``."""
     fleet_state: str = "auto"
-    """Where the router's processes share their state (load and recent decisions): the workers of one host always share it in memory; replicas on several hosts
-    share it through a Redis URL given here. ``auto``: the index's URL when the index is
+    """Where the router's processes share their state (load and recent decisions): the workers
+    of one host always share it in memory; replicas on several hosts share it through a Redis
+    URL given here. ``auto``: the index's URL when the index is
     Redis; ``local``: this host's workers only."""
 
     @model_validator(mode="before")
     @classmethod
     def _moved_keys(cls, data: object) -> object:
-        if isinstance(data, dict):
-            gone = [k for k in MOVED_KEYS if k in data]
-            if gone:
-                raise ValueError("; ".join(f"router.{k} was removed: {MOVED_KEYS[k]}; delete it from the file"
-                                           for k in gone))
-        return data
+        return refuse_moved(data, MOVED_KEYS, "router")
 
     @field_validator("tenants")
     @classmethod
