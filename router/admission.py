@@ -81,7 +81,7 @@ from router import metrics
 from router.fleet.load import LoadTracker
 from router.http.errors import ClientClosed, Overloaded
 from router.policies.base import Candidate
-from router.policies.shares import Shares
+from router.shares import Shares
 
 POLL_S = 0.005
 """How often a non-empty queue re-checks whether a backend stopped being busy. Polled, not
