@@ -323,7 +323,8 @@ class RouterSettings(_Strict):
     before longer ones, aged by their wait (arrival order while the queue has no recent
     wait). A tenant sending more than twice its fair share of the recent requests is let
     through only to a backend with room for it (nothing queued, or its uncached tokens fit
-    under a quarter of the threshold), so the others find short queues.
+    under a quarter of the threshold), among its share of the backends, and waits while
+    another backend has more than that quarter queued, so the others find short queues.
     About one engine step of prefill (``--max-num-batched-tokens``) is a place to start."""
     queue_max_waiting: int = Field(default=1024, ge=1)
     """Most requests one router process holds waiting per model; one more gets 429 with

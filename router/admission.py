@@ -58,6 +58,15 @@ keeps them off its backends unless their cache there saves more. Where the fleet
 the others wait in the router's queue instead, and there it measured level (docs/benchmarks.md,
 the router queue).
 
+*Giving way*: a burst of the other tenants' requests then lands on the backends outside the
+heavy tenant's, while its own keep running its prefill: the others carried their burst on part
+of the fleet where without it they would spread over all of it. So a heavy tenant's request
+with its own backends also waits while a backend outside them has more than the headroom
+queued for prefill (:meth:`ModelQueue.gives_way`). Its backends drain, kv_aware's cost of the
+prefill queued elsewhere sends the others' requests there too, and the heavy tenant goes again
+once the backlog is down (or gets its 429 at the deadline). Its demand is still counted, so
+it stays heavy while it waits.
+
 A request that finds the queue empty and a backend not busy pays one pass over the
 model's backends (no await, no allocation beyond the check); a heavy tenant's also pays a
 look-up of its uncached tokens.
@@ -198,10 +207,19 @@ class ModelQueue:
         return queued
 
     def has_room(self, size: int, tenant: str) -> bool:
-        """Whether a heavy tenant's request of ``size`` uncached tokens may go: one of its own
-        backends (:meth:`subset`) has nothing queued, or stays under the headroom with it."""
-        names = self.subset(tenant) or self._backends()
+        """Whether a heavy tenant's request of ``size`` uncached tokens may go: no backend outside
+        its own (:meth:`subset`) has a backlog over the headroom (:meth:`gives_way`), and one of its
+        own has nothing queued, or stays under the headroom with it."""
+        own = self.subset(tenant)
+        if own is not None and self.gives_way(own):
+            return False
+        names = own or self._backends()
         return any(room(self.queued(name), size, self.heavy_tokens) for name in names)
+
+    def gives_way(self, own: frozenset[str]) -> bool:
+        """Whether a heavy tenant with its own backends ``own`` waits for the others: a backend
+        outside them has more than the headroom queued for prefill (see the module docstring)."""
+        return any(self.queued(name) > self.heavy_tokens for name in self._backends() if name not in own)
 
     def subset(self, tenant: str) -> frozenset[str] | None:
         """A heavy tenant's own backends: as many of the model's ``N`` routable ones as ``N`` x
@@ -240,6 +258,9 @@ class ModelQueue:
                 return Pass(self, within=self.heavy_tokens, size=size, allowed=self.subset(tenant))
             if self.least_queued() <= self.busy_tokens:
                 metrics.child(metrics.QUEUE_HEAVY_HELD, self.model).inc()
+                own = self.subset(tenant)
+                if own is not None and self.gives_way(own):
+                    metrics.child(metrics.QUEUE_HEAVY_YIELDED, self.model).inc()
         if self.depth >= self.max_waiting:
             self._count("full")
             raise Overloaded(f"the router's queue for model {self.model!r} is full ({self.depth} waiting)",

@@ -272,6 +272,12 @@ class RouterMetrics:
             "threshold) when another tenant's would have gone at once",
             ["model"], registry=registry,
         )
+        self.queue_heavy_yielded = Counter(
+            "kvrouter_queue_heavy_yielded",
+            "Requests of a heavy tenant held (see kvrouter_queue_heavy_held) because a backend outside its own share "
+            "of the backends had more than the headroom queued for prefill: it gives way to the other tenants",
+            ["model"], registry=registry,
+        )
         self.queue_heavy_confined = Counter(
             "kvrouter_queue_heavy_confined",
             "Decisions for a heavy tenant's request made among the backends with room for it only "
@@ -463,6 +469,7 @@ QUEUE_WAIT = _PROCESS.queue_wait
 QUEUE_OUTCOMES = _PROCESS.queue_outcomes
 QUEUE_HEAVY_HELD = _PROCESS.queue_heavy_held
 QUEUE_HEAVY_CONFINED = _PROCESS.queue_heavy_confined
+QUEUE_HEAVY_YIELDED = _PROCESS.queue_heavy_yielded
 REQUEST_TTFT = _PROCESS.request_ttft
 REQUEST_E2E = _PROCESS.request_e2e
 TOKENS = _PROCESS.tokens

@@ -9,6 +9,8 @@ the order in which the answers come back is the order the queue let them through
 from __future__ import annotations
 
 import asyncio
+import json
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -27,13 +29,15 @@ LONG = "a long document to prefill first " * 500
 """About 3,500 tokens: at speedup 1 the engine takes ~0.28 s to prefill it, ~1.1 s at speedup 0.25."""
 
 
-def serve(sim: Any, tmp: Path, env: dict[str, str] | None = None, backends: int = 1, **queue: Any) -> tuple[Proc, str]:
+def serve(sim: Any, tmp: Path, env: dict[str, str] | None = None, backends: int = 1,
+          tuning: dict[str, Any] | None = None, **queue: Any) -> tuple[Proc, str]:
     port = free_port()
     config = {"models": [model(*(sim_backend(sim, i) for i in range(backends)))],
               "router": {"queue_busy_tokens": 1, "health_interval_s": 0.5, **queue}}
     path = tmp / "router.yaml"
     path.write_text(yaml.safe_dump(config))
-    proc = Proc([*KVROUTER, "serve", "--config", str(path), "--port", str(port), "--workers", "1"],
+    extra = ["--tuning", json.dumps(tuning)] if tuning else []
+    proc = Proc([*KVROUTER, "serve", "--config", str(path), "--port", str(port), "--workers", "1", *extra],
                 tmp / "router.log", env=env)
     url = f"http://127.0.0.1:{port}"
     wait_http(url + "/health", timeout=120, proc=proc.popen)
@@ -321,5 +325,48 @@ def test_a_client_that_disconnects_while_queued_leaves_the_queue(sim_fleet: Any,
         assert depth.get(MODEL) == 0, depth
         served = scrape_labelled(sim.http(0) + "/metrics", "vllm:request_success_total", "finished_reason")
         assert sum(served.values()) == 2, served  # the blocker and the one after: never the cancelled one
+    finally:
+        proc.stop()
+
+
+def test_a_heavy_tenant_gives_way_while_the_rest_of_the_fleet_has_a_backlog(sim_fleet: Any, tmp_path: Path) -> None:
+    """Two backends; tenant h sends every other request, half of the recent arrivals, so one of
+    the two is its own. Four 2,000-token prompts sent straight to the other engine (another
+    client's, which the router sees only in its scrape) queue there, far over the headroom of 750
+    tokens: h's next question waits at the router although its own backend is idle, and goes once
+    that backlog is down to the headroom. Without giving way it would go at once."""
+    sim = sim_fleet("--speedup", "0.25", instances=2)  # each 2,000-token prefill takes ~0.6 s
+    proc, url = serve(sim, tmp_path, backends=2, tuning={"metrics_scrape_interval_s": 0.1}, queue_busy_tokens=3000)
+    try:
+        with httpx.Client(timeout=60) as c:
+            for i in range(16):  # one at a time on idle engines: none waits
+                r = c.post(url + "/v1/completions", json={"model": MODEL, "prompt": f"question {i} " * 20,
+                                                          "max_tokens": 1, "user": "h" if i % 2 else f"t{i}"})
+                assert r.status_code == 200, r.text
+        lines = access_lines(tmp_path / "router.log", 16, "/v1/")
+        own = {line["backend"] for line in lines[9::2]}  # h's, once it is heavy
+        assert len(own) == 1, lines
+        other = next(i for i in range(2) if f"sim{i}" not in own)
+
+        def backlog(i: int) -> None:
+            httpx.post(sim.http(other) + "/v1/completions", timeout=60,
+                       json={"model": MODEL, "prompt": f"{i} a long document to prefill first " * 285, "max_tokens": 1})
+
+        direct = [threading.Thread(target=backlog, args=(i,)) for i in range(4)]
+        for t in direct:
+            t.start()
+        deadline = time.monotonic() + 10
+        while scrape_labelled(url + "/metrics", "kvrouter_backend_scraped_unseen_requests", "backend").get(f"sim{other}", 0) < 3:
+            assert time.monotonic() < deadline, "the router's scrape never saw the backlog"
+            time.sleep(0.02)
+        r = httpx.post(url + "/v1/completions", timeout=60,
+                       json={"model": MODEL, "prompt": "a question of h " * 20, "max_tokens": 1, "user": "h"})
+        assert r.status_code == 200, r.text
+        for t in direct:
+            t.join(60)
+        line = access_lines(tmp_path / "router.log", 17, "/v1/")[-1]
+        assert line["backend"] in own and line.get("queue_wait_ms", 0) > 500, line  # ~1.8 s of prefill before it
+        yielded = scrape_labelled(url + "/metrics", "kvrouter_queue_heavy_yielded_total", "model")
+        assert yielded.get(MODEL) == 1, yielded
     finally:
         proc.stop()
