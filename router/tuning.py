@@ -66,7 +66,7 @@ class Tuning(BaseModel):
     the others' rate it lowered their TTFT p90 where the fleet was not busy (0.86x on held-out seed 1015, 0.71x
     on 1003) and left it level where the fleet was (0.95x over held-out seeds 1013-1015); the heavy tenant gets
     several times the 429s (docs/benchmarks.md, the router queue). It also gives way while a backend outside its
-    share has a backlog (``ModelQueue.gives_way``): within 1.5x on all ten held-out seeds 1003-1012, 1.02x over
+    share has a backlog (``ModelQueue.gives_way``): within 1.5x on all ten held-out seeds 1003-1012, 1.04x over
     them. False: it goes to any backend with room, and never gives way."""
     client_timeout_s: float = Field(default=30.0, gt=0)
     """Longest a client may take to send a request's head (from its connection's opening, or the previous
