@@ -206,11 +206,10 @@ class ModelQueue:
             queued += load.scraped_unseen * mean
         return queued
 
-    def has_room(self, size: int, tenant: str) -> bool:
+    def has_room(self, size: int, own: frozenset[str] | None) -> bool:
         """Whether a heavy tenant's request of ``size`` uncached tokens may go: no backend outside
-        its own (:meth:`subset`) has a backlog over the headroom (:meth:`gives_way`), and one of its
-        own has nothing queued, or stays under the headroom with it."""
-        own = self.subset(tenant)
+        its own ``own`` (:meth:`subset`; None: all) has a backlog over the headroom
+        (:meth:`gives_way`), and one of its own has nothing queued, or stays under the headroom with it."""
         if own is not None and self.gives_way(own):
             return False
         names = own or self._backends()
@@ -254,11 +253,11 @@ class ModelQueue:
                 return OPEN
         size = await prefill_tokens() if prefill_tokens is not None else 0  # before the bound: it may await
         if self.depth == 0:  # a heavy tenant's, or any request while every backend is busy (no room then)
-            if self.has_room(size, tenant):
-                return Pass(self, within=self.heavy_tokens, size=size, allowed=self.subset(tenant))
+            own = self.subset(tenant)
+            if self.has_room(size, own):
+                return Pass(self, within=self.heavy_tokens, size=size, allowed=own)
             if self.least_queued() <= self.busy_tokens:
                 metrics.child(metrics.QUEUE_HEAVY_HELD, self.model).inc()
-                own = self.subset(tenant)
                 if own is not None and self.gives_way(own):
                     metrics.child(metrics.QUEUE_HEAVY_YIELDED, self.model).inc()
         if self.depth >= self.max_waiting:
@@ -315,7 +314,8 @@ class ModelQueue:
         while self._bands:
             prio = min(self._bands)
             band = self._bands[prio]
-            tenant = next((t for t in band if not self.heavy(t) or self.has_room(band[t][0][2].size, t)), None)
+            tenant = next((t for t in band
+                           if not self.heavy(t) or self.has_room(band[t][0][2].size, self.subset(t))), None)
             if tenant is None:
                 return None
             line = band[tenant]
